@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# All set-up for Belayer on a fresh Debian machine of this kind. Idempotent: re-running only checks.
+#   bash .ci/setup.sh             the Belayer venv (.venv): torch CPU, Ray, sglang-router, transformers ...
+#   bash .ci/setup.sh --sglang    also the real SGLang venv (.venv-sglang) and its stand-ins
+#   bash .ci/setup.sh --containers  also Podman, Docker, runc and CRIU >= 4.2
+#   bash .ci/setup.sh --all       everything the test suite needs
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+want_sglang=0; want_containers=0
+for a in "$@"; do
+  case "$a" in
+    --sglang) want_sglang=1 ;;
+    --containers) want_containers=1 ;;
+    --all) want_sglang=1; want_containers=1 ;;
+    *) echo "setup.sh: unknown option $a" >&2; exit 2 ;;
+  esac
+done
+PY=${BELAYER_PYTHON:-python3}
+log() { printf '[setup] %s\n' "$*"; }
+
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv with $($PY --version)"
+  $PY -m venv .venv
+fi
+stamp=.venv/.belayer-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ .ci/constraints.txt -nt "$stamp" ]; then
+  log "installing Belayer and its dependencies into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -c .ci/constraints.txt "torch==2.13.0"
+  .venv/bin/python -m pip install -q -c .ci/constraints.txt -e ".[test]"
+  touch "$stamp"
+fi
+.venv/bin/python -c "import torch, ray, transformers, sglang_router, hydra; print('[setup] .venv ok: torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"
+
+if [ $want_sglang = 1 ]; then bash .ci/setup_sglang.sh; fi
+if [ $want_containers = 1 ]; then bash .ci/setup_containers.sh; fi
+log "done"

@@ -1,0 +1,3 @@
+"""Belayer: fault tolerance for agentic LLM RL training (engines, generation, sandboxes)."""
+
+__version__ = "0.1.0"

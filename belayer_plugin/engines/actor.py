@@ -1,0 +1,183 @@
+"""The engine Ray actor: owns one inference server process (CPU engine or SGLang).
+
+Liveness comes from Ray in every phase (serving, paused, memory released, mid-refit): a caller keeps a
+`wait_exit()` call pending on the actor; it returns when the server process exits and raises
+RayActorError when the actor itself dies. Neither needs the server to answer HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import httpx
+
+from belayer_plugin.config import EnginesConfig
+from belayer_plugin.engines.launch import free_port, server_command
+
+
+class EngineStartError(RuntimeError):
+    """The server process exited or did not become healthy within its start-up timeout."""
+
+
+@dataclass
+class EngineInfo:
+    engine_id: str
+    kind: str
+    url: str
+    pid: int  # the server process
+    actor_pid: int
+    node_id: str  # Ray node the actor runs on
+    weight_version: str
+    started_s: float  # process start to healthy
+
+
+def _die_with_parent() -> None:
+    # The server must not outlive its actor: a SIGKILLed actor cannot clean up, so the kernel does it.
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class EngineActor:
+    """Starts, watches and stops one engine server; methods are async so liveness calls never queue."""
+
+    def __init__(self, engine_id: str, cfg: EnginesConfig, model_path: str, log_dir: str,
+                 weight_version: str = "default"):
+        self.engine_id = engine_id
+        self.cfg = cfg
+        self.model_path = model_path
+        self.log_dir = Path(log_dir)
+        self.initial_version = weight_version
+        self.proc: Optional[asyncio.subprocess.Process] = None
+        self.url = ""
+        self.started_s = 0.0
+        self.exit_code: Optional[int] = None
+        self._exited = asyncio.Event()
+
+    async def start(self) -> EngineInfo:
+        """Starts the server and returns once it answers /health; raises EngineStartError otherwise."""
+        host = self.cfg.host
+        port = free_port(host)
+        argv, extra_env = server_command(self.cfg, self.model_path, host, port, self.initial_version)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{self.engine_id}.log"
+        logf = open(log_path, "ab")
+        t0 = time.monotonic()
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=logf, stderr=asyncio.subprocess.STDOUT, env={**os.environ, **extra_env},
+            start_new_session=True, preexec_fn=_die_with_parent)
+        logf.close()
+        self.url = f"http://{host}:{port}"
+        asyncio.get_running_loop().create_task(self._reap())
+        deadline = t0 + self.cfg.startup_timeout_s
+        async with httpx.AsyncClient() as client:
+            while True:
+                if self._exited.is_set():
+                    raise EngineStartError(f"{self.engine_id}: server exited with {self.exit_code} during start-up; "
+                                           f"log tail:\n{_tail(log_path)}")
+                try:
+                    r = await client.get(f"{self.url}/health", timeout=5.0)
+                    if r.status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    await self.kill()
+                    raise EngineStartError(f"{self.engine_id}: not healthy after {self.cfg.startup_timeout_s} s; "
+                                           f"log tail:\n{_tail(log_path)}")
+                # A server coming up has no event to await from outside; wait on its exit or 100 ms.
+                try:
+                    await asyncio.wait_for(self._exited.wait(), 0.1)
+                except asyncio.TimeoutError:
+                    pass
+        self.started_s = time.monotonic() - t0
+        return await self.info()
+
+    async def _reap(self) -> None:
+        assert self.proc is not None
+        self.exit_code = await self.proc.wait()
+        self._exited.set()
+
+    async def info(self) -> EngineInfo:
+        """Where the engine serves and which weights it holds."""
+        import ray
+
+        return EngineInfo(engine_id=self.engine_id, kind=self.cfg.kind, url=self.url,
+                          pid=self.proc.pid if self.proc else -1, actor_pid=os.getpid(),
+                          node_id=ray.get_runtime_context().get_node_id(), weight_version=await self.weight_version(),
+                          started_s=self.started_s)
+
+    async def ping(self) -> str:
+        """Answers at once from the actor's event loop (no server I/O)."""
+        return self.engine_id
+
+    async def wait_exit(self) -> int:
+        """Returns the server's exit code when it exits (pending until then)."""
+        await self._exited.wait()
+        assert self.exit_code is not None
+        return self.exit_code
+
+    def server_alive(self) -> bool:
+        return self.proc is not None and not self._exited.is_set()
+
+    async def weight_version(self) -> str:
+        """The version the server reports (SGLang 0.5.23 puts it in /get_model_info)."""
+        async with httpx.AsyncClient() as client:
+            r = await client.get(f"{self.url}/get_model_info", timeout=self.cfg.shutdown_timeout_s)
+            r.raise_for_status()
+            return str(r.json().get("weight_version", "default"))
+
+    async def call(self, method: str, path: str, body: Optional[dict] = None, timeout: float = 60.0) -> Any:
+        """Forwards one HTTP call to the server (admin routes: refit, pause, memory)."""
+        async with httpx.AsyncClient() as client:
+            r = await client.request(method, f"{self.url}{path}", json=body, timeout=timeout)
+            try:
+                data = r.json()
+            except ValueError:
+                data = r.text
+            return {"status": r.status_code, "body": data}
+
+    async def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Sends `sig` to the server's process group."""
+        if self.proc is not None and not self._exited.is_set():
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    async def stop(self) -> Optional[int]:
+        """Terminates the server (SIGTERM, then SIGKILL after shutdown_timeout_s) and returns its exit code."""
+        if self.proc is None:
+            return None
+        await self.kill(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self._exited.wait(), self.cfg.shutdown_timeout_s)
+        except asyncio.TimeoutError:
+            await self.kill(signal.SIGKILL)
+            await asyncio.wait_for(self._exited.wait(), self.cfg.shutdown_timeout_s)
+        return self.exit_code
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace")
+    except OSError:
+        return "(no log)"
+
+
+def remote_engine_actor(cfg: EnginesConfig, name: Optional[str] = None, **options: Any) -> Any:
+    """The Ray actor class with resources from `cfg`; Ray never restarts it (Belayer's policy does)."""
+    import ray
+
+    opts: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_engine, "num_gpus": cfg.num_gpus_per_engine,
+                            "max_restarts": 0, "max_task_retries": 0, "max_concurrency": 64}
+    if name:
+        opts["name"] = name
+    opts.update(options)
+    return ray.remote(EngineActor).options(**opts)

@@ -1,0 +1,558 @@
+"""Belayer's CPU engine: an HTTP server speaking the subset of SGLang's native API that trainers use.
+
+It serves a small causal LM with transformers on the CPU. Requests are decoded together, interleaved one
+token each per scheduler step, so a long request never blocks a short one. Model compute runs in one
+worker thread; the asyncio loop stays free for health checks and new requests.
+
+Run: ``python -m belayer_plugin.engines.cpu_server --model-path DIR --port P``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import gc
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from aiohttp import web
+
+log = logging.getLogger("belayer.cpu_engine")
+
+VERSION = "belayer-cpu-engine-0.1"
+
+# Sampling parameters SGLang accepts that this engine honours, and those it accepts but ignores because
+# they have no effect on the tiny model's single-sequence decoding (rejecting them would break trainers).
+_SAMPLING_USED = {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "sampling_seed",
+                  "stop_token_ids", "ignore_eos", "stop", "min_new_tokens"}
+_SAMPLING_IGNORED = {"n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                     "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+                     "regex", "json_schema", "ebnf", "custom_params", "logit_bias", "stream_interval"}
+_TOP_LEVEL = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
+              "top_logprobs_num", "rid", "return_text_in_logprobs", "lora_path", "session_params",
+              "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+              "data_parallel_rank", "modalities", "log_metrics", "extra_key", "model", "background",
+              "no_logs", "priority", "routed_dp_rank", "conversation_id", "label", "custom_labels"}
+# Fields the real router always sends (re-serialised with defaults): accepted while falsy, refused with a
+# reason when a client actually asks for a feature this engine does not have.
+_UNSUPPORTED_WHEN_SET = {"return_hidden_states", "return_entropy", "return_bytes", "return_routed_experts",
+                         "image_data", "video_data", "audio_data", "input_embeds", "token_ids_logprob"}
+
+
+class BadRequest(ValueError):
+    """A malformed /generate body; answered with HTTP 400 and this message."""
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: Optional[int] = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+
+
+def _as_int(name: str, v: Any, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise BadRequest(f"sampling_params.{name} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _as_float(name: str, v: Any, lo: float, hi: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise BadRequest(f"sampling_params.{name} must be a number in [{lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+def parse_sampling(raw: Any) -> Sampling:
+    """Validates SGLang-style sampling_params; raises BadRequest naming every unknown key."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest("sampling_params must be an object")
+    unknown = sorted(set(raw) - _SAMPLING_USED - _SAMPLING_IGNORED)
+    if unknown:
+        raise BadRequest(f"unknown sampling_params: {', '.join(unknown)}")
+    s = Sampling()
+    if raw.get("max_new_tokens") is not None:
+        s.max_new_tokens = _as_int("max_new_tokens", raw["max_new_tokens"], 0)
+    if raw.get("min_new_tokens") is not None:
+        s.min_new_tokens = _as_int("min_new_tokens", raw["min_new_tokens"], 0)
+    if raw.get("temperature") is not None:
+        s.temperature = _as_float("temperature", raw["temperature"], 0.0, 100.0)
+    if raw.get("top_p") is not None:
+        s.top_p = _as_float("top_p", raw["top_p"], 1e-9, 1.0)
+    if raw.get("top_k") is not None:
+        s.top_k = raw["top_k"] if raw["top_k"] == -1 else _as_int("top_k", raw["top_k"], 1)
+    seed = raw.get("seed", raw.get("sampling_seed"))
+    if seed is not None:
+        s.seed = _as_int("seed", seed, 0)
+    ids = raw.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise BadRequest("sampling_params.stop_token_ids must be a list of integers")
+    s.stop_token_ids = list(ids)
+    stop = raw.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+        raise BadRequest("sampling_params.stop must be a string or a list of non-empty strings")
+    s.stop = stop
+    if "ignore_eos" in raw:
+        if not isinstance(raw["ignore_eos"], bool):
+            raise BadRequest("sampling_params.ignore_eos must be true or false")
+        s.ignore_eos = raw["ignore_eos"]
+    return s
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    return_logprob: bool
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cache: Any = None
+    generator: Any = None
+    finish_reason: Optional[dict] = None
+    created: float = field(default_factory=time.time)
+    weight_version: str = ""
+
+
+class Engine:
+    """The model and the interleaved-decoding scheduler; owns all torch state."""
+
+    def __init__(self, model_path: str, weight_version: str, max_running: int, torch_threads: int):
+        import torch
+
+        torch.set_num_threads(torch_threads)
+        self.model_path = model_path
+        self.weights_path = model_path
+        self.weight_version = weight_version
+        self.max_running = max_running
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.released = False
+        self.paused = False
+        self.pending: list[Request] = []
+        self.running: list[Request] = []
+        self.by_rid: dict[str, Request] = {}
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0,
+                         "weight_updates": 0, "steps": 0}
+        self._wake = asyncio.Event()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="belayer-model")
+        self._lock = asyncio.Lock()  # held by the scheduler step and by weight/memory changes
+
+    async def load(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._load_sync, self.weights_path)
+
+    def _load_sync(self, path: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if self.tokenizer is None:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.eval()
+        self.model = model
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        return self.tokenizer.eos_token_id
+
+    def submit(self, req: Request) -> None:
+        if req.rid in self.by_rid:
+            raise BadRequest(f"request id {req.rid!r} is already running")
+        self.by_rid[req.rid] = req
+        self.pending.append(req)
+        self.counters["requests"] += 1
+        self._wake.set()
+
+    def abort(self, rid: Optional[str]) -> int:
+        """Finishes the named request (all requests when rid is None) with finish_reason abort."""
+        victims = [r for r in self.pending + self.running if rid is None or r.rid == rid]
+        for r in victims:
+            self._finish(r, {"type": "abort", "message": "aborted"})
+        self.counters["aborted"] += len(victims)
+        return len(victims)
+
+    def _finish(self, req: Request, reason: dict) -> None:
+        if req.finish_reason is not None:
+            return
+        req.finish_reason = reason
+        req.cache = None
+        if req in self.pending:
+            self.pending.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        self.by_rid.pop(req.rid, None)
+        req.queue.put_nowait(None)
+
+    async def run(self) -> None:
+        """The scheduler loop: admit, then one token for every running request, repeat."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if (not self.pending and not self.running) or self.paused or self.released:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            while self.pending and len(self.running) < self.max_running:
+                self.running.append(self.pending.pop(0))
+            batch = list(self.running)
+            async with self._lock:
+                if self.released or self.model is None:
+                    continue
+                results = await loop.run_in_executor(self._pool, self._step, batch)
+            self.counters["steps"] += 1
+            for req, tok, lp in results:
+                if req.finish_reason is not None:  # aborted while the step ran
+                    continue
+                self._emit(req, tok, lp)
+
+    def _step(self, batch: list[Request]) -> list[tuple[Request, int, float]]:
+        import torch
+
+        out = []
+        with torch.no_grad():
+            for req in batch:
+                if req.cache is None:  # prefill: prompt (+ already generated ids, none here)
+                    ids = torch.tensor([req.prompt_ids + req.output_ids])
+                    self.counters["prompt_tokens"] += ids.shape[1]
+                else:
+                    ids = torch.tensor([[req.output_ids[-1]]])
+                res = self.model(input_ids=ids, past_key_values=req.cache, use_cache=True)
+                req.cache = res.past_key_values
+                logits = res.logits[0, -1].float()
+                tok, lp = self._sample(req, logits)
+                out.append((req, tok, lp))
+        return out
+
+    def _sample(self, req: Request, logits: Any) -> tuple[int, float]:
+        import torch
+
+        s = req.sampling
+        logprobs = torch.log_softmax(logits, dim=-1)
+        if len(req.output_ids) < s.min_new_tokens and self.eos_id is not None and not s.ignore_eos:
+            logits = logits.clone()
+            logits[self.eos_id] = float("-inf")
+        if s.temperature == 0.0:
+            tok = int(torch.argmax(logits))
+        else:
+            scaled = logits / s.temperature
+            if s.top_k > 0:
+                kth = torch.topk(scaled, min(s.top_k, scaled.numel())).values[-1]
+                scaled = torch.where(scaled < kth, torch.full_like(scaled, float("-inf")), scaled)
+            probs = torch.softmax(scaled, dim=-1)
+            if s.top_p < 1.0:
+                sp, si = torch.sort(probs, descending=True)
+                keep = torch.cumsum(sp, 0) - sp < s.top_p
+                mask = torch.zeros_like(probs, dtype=torch.bool)
+                mask[si[keep]] = True
+                probs = torch.where(mask, probs, torch.zeros_like(probs))
+                probs = probs / probs.sum()
+            if req.generator is None:
+                req.generator = torch.Generator()
+                req.generator.manual_seed(s.seed if s.seed is not None else int.from_bytes(os.urandom(4), "little"))
+            tok = int(torch.multinomial(probs, 1, generator=req.generator))
+        return tok, float(logprobs[tok])
+
+    def _emit(self, req: Request, tok: int, lp: float) -> None:
+        req.output_ids.append(tok)
+        req.logprobs.append(lp)
+        self.counters["generated_tokens"] += 1
+        s = req.sampling
+        reason = None
+        if tok in s.stop_token_ids:
+            reason = {"type": "stop", "matched": tok}
+        elif not s.ignore_eos and tok == self.eos_id and len(req.output_ids) > s.min_new_tokens:
+            reason = {"type": "stop", "matched": tok}
+        elif s.stop:
+            text = self.tokenizer.decode(req.output_ids)
+            hit = next((x for x in s.stop if x in text), None)
+            if hit is not None:
+                reason = {"type": "stop", "matched": hit}
+        if reason is None and len(req.output_ids) >= s.max_new_tokens:
+            reason = {"type": "length", "length": len(req.output_ids)}
+        req.queue.put_nowait(len(req.output_ids))
+        if reason is not None:
+            self._finish(req, reason)
+
+    async def update_weights(self, path: str, version: Optional[str]) -> None:
+        async with self._lock:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._load_sync, path)
+            self.weights_path = path
+            if version is not None:
+                self.weight_version = version
+            # Running requests keep their ids but their KV caches came from the old weights.
+            for r in self.running:
+                r.cache = None
+            self.counters["weight_updates"] += 1
+
+    async def release_memory(self) -> None:
+        async with self._lock:
+            self.released = True
+            self.model = None
+            for r in self.running:
+                r.cache = None
+            gc.collect()
+
+    async def resume_memory(self) -> None:
+        async with self._lock:
+            if self.model is None:
+                await asyncio.get_running_loop().run_in_executor(self._pool, self._load_sync, self.weights_path)
+            self.released = False
+        self._wake.set()
+
+
+def _response(eng: Engine, req: Request) -> dict:
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": req.finish_reason,
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": 0,
+        "weight_version": req.weight_version,
+        "e2e_latency": time.time() - req.created,
+    }
+    if req.return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+    return {"text": eng.tokenizer.decode(req.output_ids), "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _parse_generate(eng: Engine, body: Any) -> Request:
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    unknown = sorted(set(body) - _TOP_LEVEL - _UNSUPPORTED_WHEN_SET)
+    if unknown:
+        raise BadRequest(f"unknown fields: {', '.join(unknown)}")
+    unsupported = sorted(k for k in _UNSUPPORTED_WHEN_SET if body.get(k))
+    if unsupported:
+        raise BadRequest(f"not supported by the CPU engine: {', '.join(unsupported)}")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("exactly one of text or input_ids is required")
+    if text is not None:
+        if not isinstance(text, str):
+            raise BadRequest("text must be a string (batched requests are not supported)")
+        ids = eng.tokenizer(text)["input_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise BadRequest("input_ids must be a non-empty list of integers (batched requests are not supported)")
+    vocab = eng.model.config.vocab_size if eng.model is not None else None
+    if vocab is not None and any(i < 0 or i >= vocab for i in ids):
+        raise BadRequest(f"input_ids out of range [0, {vocab})")
+    rid = body.get("rid") or uuid.uuid4().hex
+    if not isinstance(rid, str):
+        raise BadRequest("rid must be a string")
+    rl = body.get("return_logprob", False)
+    if not isinstance(rl, bool):
+        raise BadRequest("return_logprob must be true or false")
+    if not isinstance(body.get("stream", False), bool):
+        raise BadRequest("stream must be true or false")
+    return Request(rid=rid, prompt_ids=list(ids), sampling=parse_sampling(body.get("sampling_params")),
+                   return_logprob=rl, weight_version=eng.weight_version)
+
+
+def _bad(msg: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": msg, "code": status}}, status=status)
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("body is not valid JSON")
+
+
+def build_app(eng: Engine, server_args: dict) -> web.Application:
+    """The aiohttp application serving `eng` over SGLang's native routes."""
+    routes = web.RouteTableDef()
+
+    @routes.post("/generate")
+    async def generate(request: web.Request) -> web.StreamResponse:
+        try:
+            body = await _json_body(request)
+            if eng.released or eng.model is None:
+                return _bad("engine memory is released; call /resume_memory_occupation", 503)
+            req = _parse_generate(eng, body)
+            if req.sampling.max_new_tokens == 0:
+                req.finish_reason = {"type": "length", "length": 0}
+                return web.json_response(_response(eng, req))
+            eng.submit(req)
+        except BadRequest as e:
+            return _bad(str(e))
+        try:
+            if not body.get("stream"):
+                while await req.queue.get() is not None:
+                    pass
+                return web.json_response(_response(eng, req))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            while True:
+                item = await req.queue.get()
+                # SGLang's chunks are cumulative: every chunk carries all ids so far.
+                if item is None:
+                    await resp.write(f"data: {json.dumps(_response(eng, req))}\n\n".encode())
+                    await resp.write(b"data: [DONE]\n\n")
+                    break
+                if req.queue.empty():  # coalesce: a slow reader gets the newest state, not a backlog
+                    await resp.write(f"data: {json.dumps(_response(eng, req))}\n\n".encode())
+            return resp
+        finally:
+            if req.finish_reason is None:  # the client went away: stop decoding for it
+                eng.abort(req.rid)
+
+    @routes.get("/health")
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok") if eng.model is not None or eng.released else _bad("loading", 503)
+
+    @routes.get("/health_generate")
+    async def health_generate(_: web.Request) -> web.Response:
+        # Goes through the scheduler: a wedged decode loop fails this even though /health answers.
+        if eng.released or eng.model is None:
+            return _bad("engine memory is released", 503)
+        req = Request(rid=f"health-{uuid.uuid4().hex}", prompt_ids=[eng.eos_id or 0],
+                      sampling=Sampling(max_new_tokens=1, temperature=0.0), return_logprob=False)
+        eng.submit(req)
+        while await req.queue.get() is not None:
+            pass
+        return web.Response(text="ok")
+
+    async def model_info(_: web.Request) -> web.Response:
+        return web.json_response({"model_path": eng.model_path, "tokenizer_path": eng.model_path,
+                                  "is_generation": True, "weight_version": eng.weight_version,
+                                  "has_image_understanding": False, "has_audio_understanding": False})
+
+    async def server_info(_: web.Request) -> web.Response:
+        return web.json_response({**server_args, "version": VERSION, "weight_version": eng.weight_version,
+                                  "pid": os.getpid(), "memory_released": eng.released, "paused": eng.paused,
+                                  "num_running": len(eng.running), "num_pending": len(eng.pending),
+                                  "belayer_counters": dict(eng.counters),
+                                  "internal_states": [{"weight_version": eng.weight_version}]})
+
+    for path in ("/get_model_info", "/model_info"):
+        routes.get(path)(model_info)
+    for path in ("/get_server_info", "/server_info"):
+        routes.get(path)(server_info)
+
+    @routes.get("/get_weight_version")
+    async def weight_version(_: web.Request) -> web.Response:
+        return web.json_response({"weight_version": eng.weight_version})
+
+    @routes.post("/flush_cache")
+    @routes.get("/flush_cache")
+    async def flush_cache(_: web.Request) -> web.Response:
+        if eng.running or eng.pending:
+            return web.Response(text="Cache not flushed: requests are running", status=400)
+        return web.Response(text="Cache flushed.")
+
+    @routes.post("/update_weights_from_disk")
+    async def update_weights(request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+            if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+                raise BadRequest("model_path (string) is required")
+            version = body.get("weight_version")
+            if version is not None and not isinstance(version, str):
+                raise BadRequest("weight_version must be a string")
+        except BadRequest as e:
+            return _bad(str(e))
+        if eng.released:
+            return _bad("engine memory is released; resume it before updating weights", 409)
+        try:
+            await eng.update_weights(body["model_path"], version)
+        except (OSError, ValueError) as e:
+            return web.json_response({"success": False, "message": f"failed to load weights: {e}"}, status=400)
+        return web.json_response({"success": True, "message": "weights updated", "num_paused_requests": 0,
+                                  "weight_version": eng.weight_version})
+
+    @routes.post("/update_weight_version")
+    async def update_weight_version(request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+            if not isinstance(body, dict) or not isinstance(body.get("new_version"), str):
+                raise BadRequest("new_version (string) is required")
+        except BadRequest as e:
+            return _bad(str(e))
+        eng.weight_version = body["new_version"]
+        return web.json_response({"success": True, "weight_version": eng.weight_version})
+
+    @routes.post("/release_memory_occupation")
+    async def release(_: web.Request) -> web.Response:
+        await eng.release_memory()
+        return web.json_response({"success": True})
+
+    @routes.post("/resume_memory_occupation")
+    async def resume(_: web.Request) -> web.Response:
+        await eng.resume_memory()
+        return web.json_response({"success": True})
+
+    @routes.post("/pause_generation")
+    async def pause(_: web.Request) -> web.Response:
+        eng.paused = True
+        return web.json_response({"success": True})
+
+    @routes.post("/continue_generation")
+    async def cont(_: web.Request) -> web.Response:
+        eng.paused = False
+        eng._wake.set()
+        return web.json_response({"success": True})
+
+    @routes.post("/abort_request")
+    async def abort(request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+            if not isinstance(body, dict):
+                raise BadRequest("body must be an object")
+        except BadRequest as e:
+            return _bad(str(e))
+        if body.get("abort_all"):
+            n = eng.abort(None)
+        elif isinstance(body.get("rid"), str):
+            n = eng.abort(body["rid"])
+        else:
+            return _bad("rid (string) or abort_all: true is required")
+        return web.json_response({"success": True, "aborted": n})
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.add_routes(routes)
+    return app
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Parses arguments, loads the model and serves until terminated."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--max-running-requests", type=int, default=16)
+    p.add_argument("--torch-threads", type=int, default=1)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    async def serve() -> None:
+        eng = Engine(args.model_path, args.weight_version, args.max_running_requests, args.torch_threads)
+        await eng.load()
+        app = build_app(eng, {"model_path": args.model_path, "host": args.host, "port": args.port,
+                              "max_running_requests": args.max_running_requests, "device": "cpu"})
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, args.host, args.port).start()
+        log.info("serving %s on http://%s:%d (pid %d)", args.model_path, args.host, args.port, os.getpid())
+        await eng.run()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

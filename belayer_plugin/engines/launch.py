@@ -1,0 +1,40 @@
+"""How an engine's server process is started: the same interface for the CPU engine and real SGLang."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from belayer_plugin.config import EnginesConfig
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on `host`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def cpu_server_command(cfg: "EnginesConfig", model_path: str, host: str, port: int,
+                       weight_version: str) -> tuple[list[str], dict[str, str]]:
+    """argv and extra environment for Belayer's CPU engine."""
+    argv = [sys.executable, "-m", "belayer_plugin.engines.cpu_server", "--model-path", model_path,
+            "--host", host, "--port", str(port), "--weight-version", weight_version,
+            "--max-running-requests", str(cfg.max_running_requests), "--torch-threads", str(cfg.torch_threads)]
+    # One thread per engine: several engines share a few cores, and oversubscription makes them all slow.
+    env = {"OMP_NUM_THREADS": str(cfg.torch_threads), "MKL_NUM_THREADS": str(cfg.torch_threads)}
+    return argv, env
+
+
+def server_command(cfg: "EnginesConfig", model_path: str, host: str, port: int,
+                   weight_version: str = "default") -> tuple[list[str], dict[str, str]]:
+    """argv and extra environment for an engine of kind `cfg.kind`."""
+    if cfg.kind == "cpu":
+        return cpu_server_command(cfg, model_path, host, port, weight_version)
+    if cfg.kind == "sglang":
+        from belayer_plugin.engines.sglang import sglang_server_command
+
+        return sglang_server_command(cfg, model_path, host, port)
+    raise ValueError(f"unknown engine kind {cfg.kind!r}")

@@ -1,0 +1,1 @@
+"""The engine fleet: launch, router membership, health, restart policy, shadows, weight versions."""

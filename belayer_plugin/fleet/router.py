@@ -1,0 +1,116 @@
+"""The real sglang-router: its process on loopback, and membership through its /workers API.
+
+The router never evicts a dead worker by itself (0.3.2 only marks it unhealthy after threshold x
+interval, and cache affinity keeps choosing it), so Belayer deregisters before it kills and confirms
+every membership change by reading the table back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+from belayer_plugin.config import RouterConfig
+from belayer_plugin.engines.launch import free_port
+
+
+class RouterError(RuntimeError):
+    """The router did not start, or a membership change did not take effect in time."""
+
+
+class Router:
+    """One sglang-router process and a client for its /workers table."""
+
+    def __init__(self, cfg: RouterConfig, log_dir: Path):
+        self.cfg = cfg
+        self.log_dir = Path(log_dir)
+        self.proc: Optional[subprocess.Popen] = None
+        self.url = ""
+        self._client = httpx.AsyncClient()
+
+    async def start(self) -> str:
+        """Starts the router (both its HTTP and Prometheus servers on cfg.host) and returns its URL."""
+        host = self.cfg.host
+        port = self.cfg.port or free_port(host)
+        prom = self.cfg.prometheus_port or free_port(host)
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+                "--prometheus-host", host, "--prometheus-port", str(prom), "--policy", self.cfg.policy,
+                "--request-timeout-secs", str(self.cfg.request_timeout_s),
+                "--health-check-interval-secs", str(self.cfg.health_check_interval_s)]
+        if self.cfg.disable_retries:
+            argv.append("--disable-retries")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / "router.log", "ab") as logf:
+            self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://{host}:{port}"
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RouterError(f"sglang-router exited with {self.proc.returncode}; see {self.log_dir / 'router.log'}")
+            try:
+                r = await self._client.get(f"{self.url}/workers", timeout=2.0)
+                if r.status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RouterError(f"sglang-router not ready after {self.cfg.startup_timeout_s} s")
+            await asyncio.sleep(0.05)  # the router has no readiness event to await; bounded by the deadline
+
+    async def workers(self) -> list[dict]:
+        """The router's worker table."""
+        r = await self._client.get(f"{self.url}/workers", timeout=5.0)
+        r.raise_for_status()
+        return r.json().get("workers", [])
+
+    async def worker_urls(self) -> set[str]:
+        return {w["url"] for w in await self.workers()}
+
+    async def add(self, url: str) -> None:
+        """Registers a worker and waits until the table shows it healthy."""
+        r = await self._client.post(f"{self.url}/workers", json={"url": url}, timeout=5.0)
+        if r.status_code not in (200, 201, 202):
+            raise RouterError(f"POST /workers {url}: HTTP {r.status_code} {r.text[:200]}")
+        await self._wait(lambda ws: any(w["url"] == url and w.get("is_healthy", True) for w in ws),
+                         f"{url} to join the router")
+
+    async def remove(self, url: str) -> None:
+        """Deregisters a worker (every entry with that URL) and waits until the table no longer has it."""
+        for w in await self.workers():
+            if w["url"] == url:
+                r = await self._client.delete(f"{self.url}/workers/{w['id']}", timeout=5.0)
+                if r.status_code not in (200, 202, 204, 404):
+                    raise RouterError(f"DELETE /workers/{w['id']} ({url}): HTTP {r.status_code} {r.text[:200]}")
+        await self._wait(lambda ws: all(w["url"] != url for w in ws), f"{url} to leave the router")
+
+    async def _wait(self, done, what: str) -> None:
+        deadline = time.monotonic() + self.cfg.membership_timeout_s
+        while True:
+            if done(await self.workers()):
+                return
+            if time.monotonic() > deadline:
+                raise RouterError(f"timed out after {self.cfg.membership_timeout_s} s waiting for {what}")
+            await asyncio.sleep(0.01)  # the router applies changes in the background; poll its table
+
+    def stop(self) -> None:
+        """Stops the router process."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+    async def aclose(self) -> None:
+        self.stop()
+        await self._client.aclose()

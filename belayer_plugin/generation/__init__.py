@@ -1,0 +1,1 @@
+"""Generation: SGLang HTTP client, context log, resumable generation, the drop-in /generate front."""

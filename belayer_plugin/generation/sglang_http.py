@@ -1,0 +1,89 @@
+"""An async client for SGLang's native /generate API (the real server, the router, or the CPU engine).
+
+A stream that ends without ``data: [DONE]`` or without a finish_reason is a failure, never a short
+answer: when a worker is SIGKILLed mid-stream behind sglang-router the HTTP status was already 200 and
+the stream simply stops.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Optional
+
+import httpx
+
+
+class GenerateError(RuntimeError):
+    """A /generate call failed: connection refused, HTTP error, or a broken stream."""
+
+    def __init__(self, url: str, reason: str, status: Optional[int] = None, retriable: bool = True):
+        self.url, self.reason, self.status, self.retriable = url, reason, status, retriable
+        super().__init__(f"{url}: {reason}" + (f" (HTTP {status})" if status else ""))
+
+
+class StreamBroken(GenerateError):
+    """The SSE stream ended before the request finished."""
+
+
+def _http_error(url: str, resp: httpx.Response, body: str) -> GenerateError:
+    # 4xx means the request itself is bad: resending it elsewhere would fail the same way.
+    return GenerateError(url, body[:500], resp.status_code, retriable=resp.status_code >= 500)
+
+
+async def generate(client: httpx.AsyncClient, url: str, payload: dict, timeout: float) -> dict:
+    """POSTs a non-streaming /generate and returns SGLang's response object."""
+    body = {**payload, "stream": False}
+    try:
+        resp = await client.post(f"{url}/generate", json=body, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise GenerateError(url, f"{type(e).__name__}: {e}") from e
+    if resp.status_code != 200:
+        raise _http_error(url, resp, resp.text)
+    try:
+        return resp.json()
+    except json.JSONDecodeError as e:
+        raise GenerateError(url, f"invalid JSON response: {e}") from e
+
+
+async def generate_stream(client: httpx.AsyncClient, url: str, payload: dict, timeout: float,
+                          read_timeout: Optional[float] = None) -> AsyncIterator[dict]:
+    """POSTs a streaming /generate and yields SGLang's cumulative chunks; raises StreamBroken on an early end.
+
+    `read_timeout` bounds the wait for each chunk (a stalled engine), `timeout` the connection set-up.
+    """
+    body = {**payload, "stream": True}
+    t = httpx.Timeout(timeout, read=read_timeout if read_timeout is not None else timeout)
+    last: Optional[dict] = None
+    try:
+        async with client.stream("POST", f"{url}/generate", json=body, timeout=t) as resp:
+            if resp.status_code != 200:
+                raise _http_error(url, resp, (await resp.aread()).decode(errors="replace"))
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    if last is None or not (last.get("meta_info") or {}).get("finish_reason"):
+                        raise StreamBroken(url, "stream ended with [DONE] but no finish_reason")
+                    return
+                try:
+                    last = json.loads(data)
+                except json.JSONDecodeError as e:
+                    raise StreamBroken(url, f"invalid SSE chunk: {e}") from e
+                if "error" in last and "output_ids" not in last:
+                    raise GenerateError(url, f"error chunk: {last['error']}")
+                yield last
+    except httpx.HTTPError as e:
+        raise StreamBroken(url, f"{type(e).__name__}: {e}") from e
+    raise StreamBroken(url, "stream ended without [DONE]")
+
+
+async def get_json(client: httpx.AsyncClient, url: str, path: str, timeout: float) -> Any:
+    """GETs `url + path` and returns the decoded JSON; raises GenerateError otherwise."""
+    try:
+        resp = await client.get(f"{url}{path}", timeout=timeout)
+    except httpx.HTTPError as e:
+        raise GenerateError(url, f"{type(e).__name__}: {e}") from e
+    if resp.status_code != 200:
+        raise _http_error(url, resp, resp.text)
+    return resp.json()

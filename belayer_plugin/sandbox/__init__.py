@@ -1,0 +1,1 @@
+"""Sandboxes: containers with full checkpoint/restore and prefix-consistent recovery."""
