@@ -54,6 +54,7 @@ class SGLangConfig:
     tp_size: int = _req()
     random_seed: int = _req()
     standins_on_path: bool = _req()  # prepend Belayer's import stand-ins (torchvision, vllm) on CPU
+    enable_memory_saver: bool = _req()  # GPU only: lets /release_memory_occupation free weights + KV cache
     extra_args: list[str] = _req()
 
     def problems(self) -> list[str]:
