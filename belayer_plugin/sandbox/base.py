@@ -1,0 +1,317 @@
+"""The Sandbox: one container with limits, exec, file access and close, over a pluggable backend."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[dict], None]
+
+# The PATH that imported images get: a rootfs tarball carries no image config.
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class SandboxError(Exception):
+    """Base class of every sandbox failure."""
+
+
+class SandboxDead(SandboxError):
+    """The container is gone or not running: an environment failure (the effect of the action is uncertain)."""
+
+
+class ExecTimeout(SandboxError):
+    """A command ran past its timeout and could not be cleaned up inside the container."""
+
+
+class ImageMissing(SandboxError):
+    """The base image is not present locally (there is no registry to pull from)."""
+
+
+class CheckpointError(SandboxError):
+    """A checkpoint could not be taken; nothing was published."""
+
+
+class CheckpointTimeout(CheckpointError):
+    """A checkpoint ran past its timeout; nothing was published."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A published checkpoint failed verification (checksum, size or manifest); it must not be used."""
+
+
+class RestoreError(SandboxError):
+    """A restore failed; whatever it had started was killed and removed."""
+
+
+class CriuUnavailable(SandboxError):
+    """CRIU is missing or too old: only file-system checkpoints are possible."""
+
+
+@dataclass
+class ExecResult:
+    """What one command produced."""
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    duration_s: float
+    timed_out: bool = False
+
+    @property
+    def output(self) -> str:
+        """stdout followed by stderr, as an agent sees a terminal."""
+        return self.stdout + self.stderr
+
+
+@dataclass
+class SandboxSpec:
+    """How to create a container: image, entry command and limits (no network unless asked)."""
+
+    image: str
+    command: list[str] = field(default_factory=lambda: ["sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"])
+    cpus: float = 1.0
+    memory_mb: int = 512
+    pids_limit: int = 256
+    network: str = "none"
+    workdir: str = "/root"
+    env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    # The program that wraps commands with a time limit inside the container (busybox and coreutils both
+    # have it); "" runs commands unwrapped and relies on killing the exec client.
+    timeout_program: str = "timeout"
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.image:
+            out.append("image: empty")
+        if not self.command:
+            out.append("command: empty")
+        if self.cpus <= 0:
+            out.append("cpus: must be > 0")
+        if self.memory_mb < 16:
+            out.append("memory_mb: must be >= 16")
+        if self.pids_limit < 8:
+            out.append("pids_limit: must be >= 8")
+        return out
+
+
+class Backend(Protocol):
+    """A container engine. Handles are container ids (full, so cgroup paths can be matched)."""
+
+    name: str
+
+    def image_exists(self, ref: str) -> bool: ...
+    def import_image(self, tar_path: Path, ref: str) -> None: ...
+    def remove_image(self, ref: str) -> None: ...
+    def run(self, spec: SandboxSpec, name: str) -> str: ...
+    def create(self, spec: SandboxSpec, name: str) -> str: ...
+    def start(self, cid: str) -> None: ...
+    def exec(self, cid: str, argv: list[str], timeout_s: float, workdir: Optional[str], env: dict[str, str],
+             stdin: Optional[bytes]) -> ExecResult: ...
+    def put_file(self, cid: str, path: str, data: bytes, mode: int) -> None: ...
+    def get_file(self, cid: str, path: str) -> bytes: ...
+    def is_running(self, cid: str) -> bool: ...
+    def kill(self, cid_or_name: str) -> None: ...
+    def remove(self, cid_or_name: str) -> None: ...
+    def pause(self, cid: str) -> None: ...
+    def unpause(self, cid: str) -> None: ...
+    def upper_dir(self, cid: str) -> Path: ...
+    def container_id(self, name: str) -> Optional[str]: ...
+    def criu_checkpoint(self, cid: str, spec: SandboxSpec, staging: Path, timeout_s: float,
+                        new_name: str) -> tuple[list[str], Optional[str]]: ...
+    def criu_restore(self, ckdir: Path, spec: SandboxSpec, name: str, timeout_s: float) -> str: ...
+    def criu_problem(self) -> Optional[str]: ...
+
+
+def new_name(prefix: str = "belayer") -> str:
+    """A fresh, unique container name."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def run_cmd(argv: Sequence[str], timeout_s: float, input: Optional[bytes] = None,
+            env: Optional[dict[str, str]] = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Runs a host command with a bounded wait; on timeout kills its whole process group."""
+    p = subprocess.Popen(list(argv), stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        out, err = p.communicate(input=input, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = p.communicate()
+        raise subprocess.TimeoutExpired(list(argv), timeout_s, out, err) from None
+    cp = subprocess.CompletedProcess(list(argv), p.returncode, out, err)
+    if check and p.returncode != 0:
+        raise subprocess.CalledProcessError(p.returncode, list(argv), out, err)
+    return cp
+
+
+def cgroup_pids(container_id: str) -> list[int]:
+    """Host pids whose cgroup path names this container id (cgroup v1 and v2, podman and docker)."""
+    pids = []
+    if len(container_id) < 12:
+        return pids
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cgroup") as f:
+                if container_id in f.read():
+                    pids.append(int(d))
+        except OSError:
+            continue
+    return pids
+
+
+def kill_cgroup_leftovers(container_id: str, timeout_s: float = 5.0) -> int:
+    """SIGKILLs every process still in the container's cgroup; returns how many were found.
+
+    A restore that fails half-way can leave a process running outside the runtime's view (PID 1 of its own
+    pid namespace, still in the container's cgroup): nothing of a half-restored sandbox may keep running.
+    """
+    found = 0
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pids = cgroup_pids(container_id)
+        if not pids:
+            return found
+        found = max(found, len(pids))
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            raise RestoreError(f"processes {pids} of {container_id[:12]} survive SIGKILL")
+        time.sleep(0.02)  # killed processes leave /proc asynchronously; poll, bounded by the deadline
+
+
+class Sandbox:
+    """One live container. Thread-safe: exec and checkpoint serialise on `lock`."""
+
+    def __init__(self, backend: Backend, spec: SandboxSpec, container_id: str, name: str,
+                 sandbox_id: Optional[str] = None, exec_timeout_s: float = 60.0,
+                 on_event: Optional[EventSink] = None):
+        self.backend = backend
+        self.spec = spec
+        self.container_id = container_id
+        self.name = name
+        self.sandbox_id = sandbox_id or name
+        self.exec_timeout_s = exec_timeout_s
+        self.on_event = on_event
+        self.lock = threading.RLock()
+        self.closed = False
+        # Set when the process state was lost (fs-only restore): callers may want to re-run set-up.
+        self.processes_fresh = False
+
+    @classmethod
+    def create(cls, backend: Backend, spec: SandboxSpec, sandbox_id: Optional[str] = None,
+               exec_timeout_s: float = 60.0, on_event: Optional[EventSink] = None) -> "Sandbox":
+        """Starts a fresh container from `spec.image`."""
+        bad = spec.problems()
+        if bad:
+            raise ValueError("invalid SandboxSpec: " + "; ".join(bad))
+        name = new_name()
+        t0 = time.monotonic()
+        cid = backend.run(spec, name)
+        sb = cls(backend, spec, cid, name, sandbox_id, exec_timeout_s, on_event)
+        sb.emit("create", "fresh container from image", image=spec.image, duration_s=time.monotonic() - t0)
+        return sb
+
+    def emit(self, kind: str, reason: str, **figures: Any) -> None:
+        """Sends one structured event record and logs it."""
+        rec = {"t": time.time(), "component": "sandbox", "subject": self.sandbox_id, "kind": kind,
+               "reason": reason, **figures}
+        log.info("sandbox %s %s: %s %s", self.sandbox_id, kind, reason, figures)
+        if self.on_event is not None:
+            try:
+                self.on_event(rec)
+            except Exception:  # a broken sink must not break the sandbox
+                log.exception("on_event callback failed")
+
+    def exec(self, command: str | Sequence[str], timeout: Optional[float] = None, cwd: Optional[str] = None,
+             env: Optional[dict[str, str]] = None, stdin: Optional[bytes] = None) -> ExecResult:
+        """Runs `command` (a shell string, or an argv list) and returns stdout, stderr and the exit code.
+
+        Raises SandboxDead when the container is not running (then the command's effect is uncertain).
+        """
+        if self.closed:
+            raise SandboxError(f"sandbox {self.sandbox_id} is closed")
+        t = float(timeout if timeout is not None else self.exec_timeout_s)
+        if t <= 0:
+            raise ValueError(f"timeout must be > 0, got {t}")
+        argv = ["sh", "-c", command] if isinstance(command, str) else list(command)
+        if self.spec.timeout_program:
+            # Kill the command inside the container: killing the exec client would leave it running there.
+            argv = [self.spec.timeout_program, "-s", "KILL", str(max(1, int(round(t)))), *argv]
+        with self.lock:
+            res = self.backend.exec(self.container_id, argv, t + 10.0, cwd, env or {}, stdin)
+        if res.exit_code in (124, 125, 126, 127, 137, 255, -1) and not self.backend.is_running(self.container_id):
+            raise SandboxDead(f"sandbox {self.sandbox_id}: container {self.name} is not running "
+                              f"(exec exit {res.exit_code}: {res.stderr.strip()[:200]})")
+        if self.spec.timeout_program and res.exit_code in (124, 137) and res.duration_s >= t - 0.5:
+            res.timed_out = True
+        return res
+
+    def read_file(self, path: str) -> bytes:
+        """The content of a file in the container."""
+        with self.lock:
+            self._check_alive()
+            return self.backend.get_file(self.container_id, path)
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        """Creates or replaces a file in the container (parent directories are created)."""
+        if isinstance(data, str):
+            data = data.encode()
+        with self.lock:
+            self._check_alive()
+            self.backend.put_file(self.container_id, path, data, mode)
+
+    def alive(self) -> bool:
+        """Whether the container is running."""
+        return not self.closed and self.backend.is_running(self.container_id)
+
+    def _check_alive(self) -> None:
+        if self.closed:
+            raise SandboxError(f"sandbox {self.sandbox_id} is closed")
+        if not self.backend.is_running(self.container_id):
+            raise SandboxDead(f"sandbox {self.sandbox_id}: container {self.name} is not running")
+
+    def kill(self) -> None:
+        """SIGKILLs the container's processes (fault injection, hard stop); the container stays for inspection."""
+        self.backend.kill(self.container_id)
+
+    def close(self) -> None:
+        """Removes the container and kills anything left in its cgroup. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.backend.remove(self.container_id)
+        finally:
+            kill_cgroup_leftovers(self.container_id)
+        self.emit("close", "sandbox removed")
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def shell_quote(args: Sequence[str]) -> str:
+    """argv -> one shell command line."""
+    return " ".join(shlex.quote(a) for a in args)

@@ -1,0 +1,362 @@
+"""full_checkpoint / full_restore: verified, atomically published checkpoints of a sandbox.
+
+A checkpoint is a directory `<root>/<trajectory>/b<boundary>-<seq>/` holding the artifacts (CRIU images and
+the writable layer, or the writable layer alone in fs-only mode) and MANIFEST.json (boundary, trajectory
+id, mode, the sandbox spec, size and sha256 of every artifact, and a checksum of the manifest itself). It
+is assembled in a `.staging-*` directory and published by one rename once every artifact is complete, so
+a reader sees either a whole checkpoint or none; anything that fails verification is never restored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from belayer_plugin.sandbox.base import (
+    Backend,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointTimeout,
+    CriuUnavailable,
+    EventSink,
+    RestoreError,
+    Sandbox,
+    SandboxDead,
+    SandboxError,
+    SandboxSpec,
+    kill_cgroup_leftovers,
+    new_name,
+)
+from belayer_plugin.sandbox.fsdiff import tar_upper, untar_upper
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+FS_FILE = "rootfs-diff.tar"
+FORMAT = 1
+MODES = ("full", "fs_only", "auto")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _body_digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass
+class Checkpoint:
+    """A published checkpoint: its directory and manifest body."""
+
+    path: Path
+    body: dict
+
+    @property
+    def boundary(self) -> int:
+        return int(self.body["boundary"])
+
+    @property
+    def trajectory_id(self) -> str:
+        return str(self.body["trajectory_id"])
+
+    @property
+    def mode(self) -> str:
+        return str(self.body["mode"])
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @property
+    def spec(self) -> SandboxSpec:
+        return SandboxSpec(**self.body["spec"])
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(int(f["size"]) for f in self.body["files"])
+
+
+class CheckpointStore:
+    """Published checkpoints under `root`, per trajectory; keeps the newest `keep` of each trajectory."""
+
+    def __init__(self, root: str | Path, keep: int = 2):
+        if keep < 1:
+            raise ValueError("keep must be >= 1 (the previous checkpoint stays until a new one is published)")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+
+    def _tdir(self, trajectory_id: str) -> Path:
+        if not trajectory_id or "/" in trajectory_id or trajectory_id.startswith("."):
+            raise ValueError(f"bad trajectory id {trajectory_id!r}")
+        d = self.root / trajectory_id
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def new_staging(self, trajectory_id: str) -> Path:
+        """A fresh private directory to assemble a checkpoint in."""
+        d = self._tdir(trajectory_id) / f".staging-{uuid.uuid4().hex}"
+        d.mkdir()
+        return d
+
+    def clean_staging(self, trajectory_id: Optional[str] = None) -> int:
+        """Deletes leftovers of interrupted checkpoints (staging and discarded dirs); returns how many."""
+        n = 0
+        dirs = [self._tdir(trajectory_id)] if trajectory_id else [d for d in self.root.iterdir() if d.is_dir()]
+        for d in dirs:
+            for s in d.iterdir():
+                if s.name.startswith((".staging-", ".discard-")):
+                    shutil.rmtree(s, ignore_errors=True)
+                    n += 1
+        return n
+
+    def publish(self, staging: Path, body: dict) -> Checkpoint:
+        """Checksums the artifacts, writes the manifest and renames the complete directory into place."""
+        files = []
+        for rel in body.pop("artifact_names"):
+            p = staging / rel
+            if not p.is_file():
+                raise CheckpointError(f"artifact {rel} missing from staging")
+            files.append({"name": rel, "size": p.stat().st_size, "sha256": _sha256(p)})
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+        body = {**body, "format": FORMAT, "files": files}
+        with open(staging / MANIFEST, "w") as f:
+            json.dump({"body": body, "body_sha256": _body_digest(body)}, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(staging)
+        final = staging.parent / f"b{int(body['boundary']):06d}-{time.time_ns()}"
+        os.rename(staging, final)
+        _fsync_dir(staging.parent)
+        return Checkpoint(final, body)
+
+    def _load(self, path: Path) -> Checkpoint:
+        try:
+            raw = json.loads((path / MANIFEST).read_text())
+            body = raw["body"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointCorrupt(f"{path.name}: unreadable manifest ({e})") from None
+        if not isinstance(body, dict) or _body_digest(body) != raw.get("body_sha256"):
+            raise CheckpointCorrupt(f"{path.name}: manifest checksum mismatch")
+        return Checkpoint(path, body)
+
+    def list(self, trajectory_id: str) -> list[Checkpoint]:
+        """Published checkpoints of a trajectory with a readable manifest, oldest first (not yet verified)."""
+        out = []
+        for p in sorted(self._tdir(trajectory_id).iterdir()):
+            if p.name.startswith(".") or not p.is_dir():
+                continue
+            try:
+                out.append(self._load(p))
+            except CheckpointCorrupt as e:
+                log.warning("ignoring checkpoint: %s", e)
+        return sorted(out, key=lambda c: (c.boundary, c.id))
+
+    def verify(self, ck: Checkpoint) -> None:
+        """Raises CheckpointCorrupt unless the manifest and every artifact's size and sha256 match."""
+        fresh = self._load(ck.path)
+        if fresh.body != ck.body:
+            raise CheckpointCorrupt(f"{ck.id}: manifest changed on disk")
+        if fresh.body.get("format") != FORMAT or not fresh.body.get("files"):
+            raise CheckpointCorrupt(f"{ck.id}: unknown format or no artifacts")
+        for f in fresh.body["files"]:
+            p = ck.path / f["name"]
+            try:
+                size = p.stat().st_size
+            except OSError:
+                raise CheckpointCorrupt(f"{ck.id}: artifact {f['name']} missing") from None
+            if size != int(f["size"]):
+                raise CheckpointCorrupt(f"{ck.id}: artifact {f['name']} has {size} bytes, manifest says {f['size']}")
+            if _sha256(p) != f["sha256"]:
+                raise CheckpointCorrupt(f"{ck.id}: artifact {f['name']} checksum mismatch")
+
+    def discard(self, ck: Checkpoint) -> None:
+        """Removes a checkpoint (renamed out of sight first, so a crash mid-delete leaves nothing usable)."""
+        if not ck.path.exists():
+            return
+        gone = ck.path.parent / f".discard-{ck.path.name}"
+        os.rename(ck.path, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+
+    def drop_after(self, trajectory_id: str, boundary: int) -> int:
+        """Discards checkpoints past `boundary` (a rolled-back branch's future must never be restored)."""
+        n = 0
+        for ck in self.list(trajectory_id):
+            if ck.boundary > boundary:
+                self.discard(ck)
+                n += 1
+        return n
+
+    def gc(self, trajectory_id: str) -> int:
+        """Keeps the newest `keep` checkpoints of the trajectory; returns how many were removed."""
+        cks = self.list(trajectory_id)
+        old = cks[: max(0, len(cks) - self.keep)]
+        for ck in old:
+            self.discard(ck)
+        return len(old)
+
+    def latest(self, trajectory_id: str, at_or_before: Optional[int] = None) -> Optional[Checkpoint]:
+        """The newest published checkpoint at or before a boundary (unverified)."""
+        cks = [c for c in self.list(trajectory_id) if at_or_before is None or c.boundary <= at_or_before]
+        return cks[-1] if cks else None
+
+
+def resolve_mode(backend: Backend, mode: str) -> tuple[str, Optional[str]]:
+    """("full" | "fs_only", why CRIU is unavailable or None). Raises CriuUnavailable for mode="full"."""
+    if mode not in MODES:
+        raise ValueError(f"checkpoint mode must be one of {MODES}, got {mode!r}")
+    if mode == "fs_only":
+        return "fs_only", None
+    problem = backend.criu_problem()
+    if problem is None:
+        return "full", None
+    if mode == "full":
+        raise CriuUnavailable(problem)
+    return "fs_only", problem
+
+
+def _emit(on_event: Optional[EventSink], subject: str, kind: str, reason: str, **figures: Any) -> None:
+    rec = {"t": time.time(), "component": "sandbox", "subject": subject, "kind": kind, "reason": reason, **figures}
+    log.info("sandbox %s %s: %s %s", subject, kind, reason, figures)
+    if on_event is not None:
+        try:
+            on_event(rec)
+        except Exception:
+            log.exception("on_event callback failed")
+
+
+def full_checkpoint(sandbox: Sandbox, boundary: int, store: CheckpointStore, trajectory_id: str,
+                    mode: str = "auto", timeout_s: float = 60.0,
+                    on_event: Optional[EventSink] = None) -> Checkpoint:
+    """Captures the writable layer and (unless fs-only) the process state at a committed action boundary.
+
+    Publishes only when every artifact is complete; on any failure the staging directory is deleted and
+    the previous checkpoint stays. Raises SandboxDead when the container died (before or during it).
+    """
+    sink = on_event or sandbox.on_event
+    real_mode, why = resolve_mode(sandbox.backend, mode)
+    if why:
+        _emit(sink, trajectory_id, "checkpoint_mode", f"CRIU unavailable, file-system only: {why}",
+              requested=mode, mode=real_mode)
+    t0 = time.monotonic()
+    with sandbox.lock:
+        if not sandbox.alive():
+            raise SandboxDead(f"sandbox {sandbox.sandbox_id} is not running; cannot checkpoint")
+        staging = store.new_staging(trajectory_id)
+        be = sandbox.backend
+        try:
+            if real_mode == "full":
+                cont_name = new_name()
+                names, new_cid = be.criu_checkpoint(sandbox.container_id, sandbox.spec, staging, timeout_s,
+                                                    cont_name)
+                if new_cid:  # the backend continued in a fresh container (podman)
+                    sandbox.container_id, sandbox.name = new_cid, cont_name
+            else:
+                be.pause(sandbox.container_id)
+                try:
+                    tar_upper(be.upper_dir(sandbox.container_id), staging / FS_FILE, timeout_s)
+                finally:
+                    be.unpause(sandbox.container_id)
+                names = [FS_FILE]
+            elapsed = time.monotonic() - t0
+            if elapsed > timeout_s:
+                raise CheckpointTimeout(f"checkpoint took {elapsed:.2f}s > timeout {timeout_s}s")
+            ck = store.publish(staging, {
+                "boundary": int(boundary), "trajectory_id": trajectory_id, "mode": real_mode,
+                "backend": be.name, "spec": dataclasses.asdict(sandbox.spec), "created_t": time.time(),
+                "duration_s": elapsed, "artifact_names": names})
+        except BaseException as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            alive = False
+            try:
+                alive = sandbox.alive()
+            except Exception:
+                pass
+            _emit(sink, trajectory_id, "checkpoint_failed", f"{type(e).__name__}: {e}", boundary=boundary,
+                  mode=real_mode, duration_s=time.monotonic() - t0, sandbox_alive=alive)
+            if not alive and isinstance(e, (SandboxError, OSError)):
+                raise SandboxDead(f"sandbox died during checkpoint: {e}") from e
+            if isinstance(e, SandboxError) and not isinstance(e, CheckpointError):
+                raise CheckpointError(str(e)) from e
+            raise
+    removed = store.gc(trajectory_id)
+    _emit(sink, trajectory_id, "checkpoint", "published", boundary=boundary, mode=real_mode,
+          duration_s=ck.body["duration_s"], size_bytes=ck.size_bytes, checkpoint=ck.id, removed_old=removed)
+    return ck
+
+
+def full_restore(ck: Checkpoint, backend: Backend, store: Optional[CheckpointStore] = None,
+                 sandbox_id: Optional[str] = None, timeout_s: float = 60.0, exec_timeout_s: float = 60.0,
+                 on_event: Optional[EventSink] = None, name: Optional[str] = None) -> Sandbox:
+    """A fresh container continuing from the checkpoint (processes too, unless it is fs-only).
+
+    Verifies the checkpoint first (CheckpointCorrupt: never used). After a failed restore nothing of the
+    half-restored sandbox keeps running: the container and everything left in its cgroup are killed.
+    """
+    t0 = time.monotonic()
+    subject = sandbox_id or ck.trajectory_id
+    if store is not None:
+        store.verify(ck)
+    else:
+        CheckpointStore(ck.path.parent.parent, keep=1 << 30).verify(ck)
+    if ck.body["backend"] != backend.name:
+        raise RestoreError(f"checkpoint {ck.id} was taken with {ck.body['backend']}, not {backend.name}")
+    spec = ck.spec
+    name = name or new_name()
+    t_verify = time.monotonic() - t0
+    try:
+        if ck.mode == "full":
+            cid = backend.criu_restore(ck.path, spec, name, timeout_s)
+        else:
+            cid = backend.create(spec, name)
+            try:
+                untar_upper(ck.path / FS_FILE, backend.upper_dir(cid), timeout_s)
+                backend.start(cid)
+            except BaseException:
+                _discard(backend, name, cid)
+                raise
+        if not backend.is_running(cid):
+            _discard(backend, name, cid)
+            raise RestoreError(f"restored container {name} is not running")
+    except (SandboxError, OSError) as e:
+        _emit(on_event, subject, "restore_failed", f"{type(e).__name__}: {e}", checkpoint=ck.id,
+              boundary=ck.boundary, mode=ck.mode, duration_s=time.monotonic() - t0)
+        if isinstance(e, RestoreError):
+            raise
+        raise RestoreError(str(e)) from e
+    sb = Sandbox(backend, spec, cid, name, sandbox_id, exec_timeout_s, on_event)
+    sb.processes_fresh = ck.mode != "full"
+    _emit(on_event, subject, "restore", "fresh container from checkpoint", checkpoint=ck.id,
+          boundary=ck.boundary, mode=ck.mode, duration_s=time.monotonic() - t0, verify_s=t_verify,
+          processes_restored=ck.mode == "full")
+    return sb
+
+
+def _discard(backend: Backend, name: str, cid: Optional[str]) -> None:
+    backend.kill(name)
+    backend.remove(name)
+    if cid:
+        kill_cgroup_leftovers(cid)
