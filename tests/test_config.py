@@ -1,0 +1,103 @@
+"""Recipe loading and start-up validation."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from belayer_plugin.config import BelayerConfig, ConfigError, load_belayer_config, load_recipe, validate
+
+
+def _raw() -> dict:
+    return OmegaConf.to_container(load_recipe("fleet_demo").belayer)
+
+
+def test_default_recipe_is_valid_and_fault_tolerance_is_off_by_default():
+    cfg, _ = load_belayer_config("fleet_demo")
+    assert isinstance(cfg, BelayerConfig)
+    assert cfg.use_fault_tolerance is False
+    assert cfg.router.host == "127.0.0.1" and cfg.engines.host == "127.0.0.1"
+    assert cfg.sandbox.network == "none"
+    assert cfg.chaos.enabled is False
+
+
+def test_one_override_toggles_fault_tolerance():
+    cfg, _ = load_belayer_config("fleet_demo", ["belayer.use_fault_tolerance=true"])
+    assert cfg.use_fault_tolerance is True
+
+
+def test_every_missing_key_is_named_at_once_with_its_dotted_path():
+    raw = _raw()
+    del raw["monitor"]["probe_timeout_s"]
+    del raw["restart"]  # a whole section: each of its keys must be named
+    del raw["engines"]["sglang"]["python"]
+    del raw["use_fault_tolerance"]
+    with pytest.raises(ConfigError) as ei:
+        validate(raw)
+    msg = str(ei.value)
+    for key in ["belayer.monitor.probe_timeout_s", "belayer.engines.sglang.python", "belayer.use_fault_tolerance",
+                "belayer.restart.max_restarts", "belayer.restart.window_s", "belayer.restart.min_healthy_engines"]:
+        assert f"{key}: missing" in msg, key
+    assert len(ei.value.problems) == 3 + 6
+
+
+def test_an_empty_section_names_all_leaf_keys():
+    with pytest.raises(ConfigError) as ei:
+        validate({})
+    missing = {p.split(":")[0] for p in ei.value.problems}
+    assert "belayer.engines.sglang.device" in missing
+    assert "belayer.chaos.seed" in missing
+    assert len(missing) == len(ei.value.problems) > 60
+
+
+def test_invalid_values_and_unknown_keys_are_all_reported():
+    raw = _raw()
+    raw["engines"]["kind"] = "gpu"
+    raw["router"]["port"] = "eighty"
+    raw["monitor"]["failure_threshold"] = 0
+    raw["restart"]["backoff_multiplier"] = 0.5
+    raw["use_fault_tolerance"] = "yes"
+    raw["engines"]["num_enignes"] = 3
+    with pytest.raises(ConfigError) as ei:
+        validate(raw)
+    msg = str(ei.value)
+    assert "belayer.engines.kind: must be one of ['cpu', 'sglang'], got 'gpu'" in msg
+    assert "belayer.router.port: expected an integer" in msg
+    assert "belayer.monitor.failure_threshold: must be >= 1" in msg
+    assert "belayer.restart.backoff_multiplier: must be >= 1" in msg
+    assert "belayer.use_fault_tolerance: expected true/false" in msg
+    assert "belayer.engines.num_enignes: unknown key" in msg
+
+
+def test_cross_section_problem_is_reported():
+    raw = _raw()
+    raw["restart"]["min_healthy_engines"] = 5
+    raw["engines"]["num_engines"] = 2
+    with pytest.raises(ConfigError, match="min_healthy_engines: larger than engines.num_engines"):
+        validate(raw)
+
+
+def test_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="fleet_demo"):
+        load_belayer_config("no_such_recipe")
+
+
+def test_schema_is_registered_in_hydra_config_store():
+    from hydra.core.config_store import ConfigStore
+
+    from belayer_plugin.config import register_configs
+
+    register_configs()
+    assert "schema.yaml" in ConfigStore.instance().list("belayer")
+
+
+def test_cli_config_check_exits_2_and_names_problems(tmp_path, capsys):
+    from belayer_plugin.cli import main
+
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("defaults:\n  - belayer: default\n  - _self_\nbelayer:\n  engines:\n    kind: tpu\n"
+                      "  monitor:\n    failure_threshold: -1\n")
+    assert main(["config", "check", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "belayer.engines.kind" in err and "belayer.monitor.failure_threshold" in err
+    assert main(["config", "check", "fleet_demo", "belayer.use_fault_tolerance=true"]) == 0

@@ -1,0 +1,196 @@
+"""The CPU engine speaks SGLang's native API: determinism, prefix continuation, streaming, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from belayer_plugin.generation.sglang_http import generate, generate_stream
+
+PROMPT = [54, 280, 487, 423, 442]  # "The quick brown fox" in the tiny tokenizer
+GREEDY = {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+
+
+async def _gen(url, ids, sp=GREEDY, **kw):
+    async with httpx.AsyncClient() as c:
+        return await generate(c, url, {"input_ids": ids, "sampling_params": sp, **kw}, 60.0)
+
+
+async def _stream(url, ids, sp=GREEDY, **kw):
+    chunks = []
+    async with httpx.AsyncClient() as c:
+        async for ch in generate_stream(c, url, {"input_ids": ids, "sampling_params": sp, **kw}, 60.0):
+            chunks.append(ch)
+    return chunks
+
+
+async def _until_running(c: httpx.AsyncClient, url: str, n: int, timeout: float = 30.0) -> None:
+    """Waits (bounded) until the engine reports `n` running requests."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (await c.get(f"{url}/get_server_info")).json()["num_running"] < n:
+        assert asyncio.get_running_loop().time() < deadline, "request never started"
+        await asyncio.sleep(0.005)
+
+
+async def test_greedy_is_deterministic_and_equals_transformers(cpu_server, tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    a = await _gen(cpu_server.url, PROMPT)
+    b = await _gen(cpu_server.url, PROMPT)
+    assert a["output_ids"] == b["output_ids"]
+    assert len(a["output_ids"]) == 48
+    assert len(set(a["output_ids"])) > 20  # the tiny model must not collapse onto one token
+    m = AutoModelForCausalLM.from_pretrained(tiny_model)
+    ref = m.generate(torch.tensor([PROMPT]), max_new_tokens=48, do_sample=False, eos_token_id=None,
+                     pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert a["output_ids"] == ref
+
+
+@pytest.mark.parametrize("k", [1, 7, 20, 47])
+async def test_prefix_continuation_gives_the_same_remaining_ids(cpu_server, k):
+    full = (await _gen(cpu_server.url, PROMPT))["output_ids"]
+    rest = await _gen(cpu_server.url, PROMPT + full[:k], {**GREEDY, "max_new_tokens": 48 - k})
+    assert rest["output_ids"] == full[k:]
+
+
+async def test_streaming_and_plain_give_the_same_ids_and_logprobs(cpu_server):
+    plain = await _gen(cpu_server.url, PROMPT, return_logprob=True)
+    chunks = await _stream(cpu_server.url, PROMPT, return_logprob=True)
+    last = chunks[-1]
+    assert last["output_ids"] == plain["output_ids"]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 48}
+    # Chunks are cumulative (SGLang's format): each one extends the previous.
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    lp_plain = [t[0] for t in plain["meta_info"]["output_token_logprobs"]]
+    lp_stream = [t[0] for t in last["meta_info"]["output_token_logprobs"]]
+    assert lp_plain == pytest.approx(lp_stream, abs=1e-5)
+    assert [t[1] for t in plain["meta_info"]["output_token_logprobs"]] == plain["output_ids"]
+
+
+async def test_logprobs_match_transformers(cpu_server, tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = await _gen(cpu_server.url, PROMPT, {**GREEDY, "max_new_tokens": 8}, return_logprob=True)
+    ids = PROMPT + out["output_ids"]
+    m = AutoModelForCausalLM.from_pretrained(tiny_model)
+    with torch.no_grad():
+        logits = m(torch.tensor([ids])).logits[0]
+    ref = torch.log_softmax(logits, -1)
+    expect = [float(ref[len(PROMPT) - 1 + i, t]) for i, t in enumerate(out["output_ids"])]
+    got = [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+    assert got == pytest.approx(expect, abs=1e-4)
+
+
+async def test_seeded_sampling_is_reproducible_and_differs_across_seeds(cpu_server):
+    sp = {"max_new_tokens": 32, "temperature": 1.0, "top_k": 50, "top_p": 0.9, "ignore_eos": True}
+    a = await _gen(cpu_server.url, PROMPT, {**sp, "seed": 1})
+    b = await _gen(cpu_server.url, PROMPT, {**sp, "seed": 1})
+    c = await _gen(cpu_server.url, PROMPT, {**sp, "seed": 2})
+    assert a["output_ids"] == b["output_ids"]
+    assert a["output_ids"] != c["output_ids"]
+
+
+async def test_stop_token_ids_and_text_input(cpu_server):
+    full = (await _gen(cpu_server.url, PROMPT))["output_ids"]
+    stop_at = full[5]
+    first = full.index(stop_at)
+    out = await _gen(cpu_server.url, PROMPT, {**GREEDY, "stop_token_ids": [stop_at]})
+    assert out["output_ids"] == full[: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+    async with httpx.AsyncClient() as c:
+        by_text = await generate(c, cpu_server.url, {"text": "The quick brown fox", "sampling_params": GREEDY}, 60)
+    assert by_text["output_ids"] == full
+
+
+async def test_concurrent_requests_progress_together(cpu_server):
+    """A short request submitted after a long one finishes first: decoding is interleaved."""
+    async with httpx.AsyncClient() as c:
+        long = asyncio.create_task(generate(c, cpu_server.url, {
+            "input_ids": PROMPT, "rid": "long", "sampling_params": {**GREEDY, "max_new_tokens": 3000}}, 120))
+        await _until_running(c, cpu_server.url, 1)
+        short = await generate(c, cpu_server.url, {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 4}}, 60)
+        assert not long.done(), "the short request waited for the long one"
+        assert len(short["output_ids"]) == 4
+        out = await long
+        assert len(out["output_ids"]) == 3000
+
+
+@pytest.mark.parametrize("body,needle", [
+    (b"not json", "not valid JSON"),
+    (json.dumps([1, 2]).encode(), "JSON object"),
+    (json.dumps({}).encode(), "exactly one of text or input_ids"),
+    (json.dumps({"text": "a", "input_ids": [1]}).encode(), "exactly one of text or input_ids"),
+    (json.dumps({"input_ids": []}).encode(), "non-empty list"),
+    (json.dumps({"input_ids": [[1, 2]]}).encode(), "batched"),
+    (json.dumps({"input_ids": [1, 99999]}).encode(), "out of range"),
+    (json.dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}).encode(), "max_new_tokens"),
+    (json.dumps({"input_ids": [1], "sampling_params": {"temperature": "hot"}}).encode(), "temperature"),
+    (json.dumps({"input_ids": [1], "sampling_params": {"bogus": 1}}).encode(), "unknown sampling_params: bogus"),
+    (json.dumps({"input_ids": [1], "no_such_field": 1}).encode(), "unknown fields: no_such_field"),
+    (json.dumps({"input_ids": [1], "return_hidden_states": True}).encode(), "not supported"),
+])
+async def test_bad_requests_get_400_with_a_reason_and_the_server_keeps_serving(cpu_server, body, needle):
+    async with httpx.AsyncClient() as c:
+        r = await c.post(f"{cpu_server.url}/generate", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        assert needle in r.json()["error"]["message"]
+        ok = await c.get(f"{cpu_server.url}/health_generate", timeout=10)
+        assert ok.status_code == 200
+
+
+async def test_info_routes_and_weight_update_change_version_and_outputs(start_cpu_server, tiny_model, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    srv = start_cpu_server("--weight-version", "v0")
+    async with httpx.AsyncClient() as c:
+        for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info", "/get_weight_version"):
+            r = await c.get(srv.url + path)
+            assert r.status_code == 200 and r.json()["weight_version"] == "v0", path
+        before = await _gen(srv.url, PROMPT)
+        m = AutoModelForCausalLM.from_pretrained(tiny_model)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(1.5)
+        m.save_pretrained(tmp_path / "v1")
+        r = await c.post(srv.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "v1"),
+                                                                     "weight_version": "v1"})
+        assert r.status_code == 200 and r.json()["success"]
+        after = await _gen(srv.url, PROMPT)
+        assert after["meta_info"]["weight_version"] == "v1"
+        assert after["output_ids"] != before["output_ids"]
+        r = await c.post(srv.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})
+        assert r.status_code == 400 and not r.json()["success"]
+        assert (await c.get(srv.url + "/get_weight_version")).json()["weight_version"] == "v1"
+
+
+async def test_release_and_resume_memory_occupation(start_cpu_server):
+    srv = start_cpu_server()
+    async with httpx.AsyncClient() as c:
+        golden = (await _gen(srv.url, PROMPT))["output_ids"]
+        assert (await c.post(srv.url + "/release_memory_occupation", json={})).status_code == 200
+        r = await c.post(srv.url + "/generate", json={"input_ids": PROMPT})
+        assert r.status_code == 503
+        assert (await c.get(srv.url + "/health_generate")).status_code == 503
+        assert (await c.get(srv.url + "/health")).status_code == 200  # alive, just not serving
+        assert (await c.post(srv.url + "/resume_memory_occupation", json={})).status_code == 200
+        assert (await _gen(srv.url, PROMPT))["output_ids"] == golden
+
+
+async def test_abort_request_finishes_it_with_abort(start_cpu_server):
+    srv = start_cpu_server()
+    async with httpx.AsyncClient() as c:
+        task = asyncio.create_task(_stream(srv.url, PROMPT, {**GREEDY, "max_new_tokens": 100000}, rid="victim"))
+        await _until_running(c, srv.url, 1)
+        r = await c.post(srv.url + "/abort_request", json={"rid": "victim"})
+        assert r.status_code == 200 and r.json()["aborted"] == 1
+        chunks = await asyncio.wait_for(task, 30)
+        assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert (await c.post(srv.url + "/abort_request", json={})).status_code == 400
+        assert (await c.post(srv.url + "/flush_cache")).status_code == 200
