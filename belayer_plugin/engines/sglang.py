@@ -1,0 +1,290 @@
+"""Real SGLang (0.5.23) as a Belayer engine: the server command, its venv, and its HTTP admin API.
+
+SGLang runs from its own venv (``engines.sglang.python``, built by ``.ci/setup_sglang.sh``): it pins
+transformers==5.19 while verl 0.9.1, in Belayer's venv, needs <5.11. Belayer only starts the process and
+talks HTTP to it; nothing here imports sglang.
+
+On a CPU-only machine it serves text models with ``--device cpu --attention-backend torch_native``, CUDA
+graphs disabled, warm-up skipped and an explicit ``--max-total-tokens`` (otherwise it sizes a 15 GB KV
+cache and never turns healthy), with Belayer's import stand-ins for torchvision and vllm on PYTHONPATH
+(see ``sglang_standins/README.md``). GPU flags follow SGLang's documented server arguments but are
+unverified here (no GPU on the machines this was written on).
+
+What 0.5.23 answers on CPU (measured on the tiny model, one server):
+
+- ``GET /health`` and ``GET /health_generate``: the same handler. 503 while starting; then it submits a
+  one-token generation and polls for it with ``asyncio.sleep(1)``, so a 200 takes >= 1 s (never probe it
+  with a 1 s timeout). ``GET /ready``: 200/503 at once (not paused and healthy).
+- ``GET /get_model_info`` (= ``/model_info``): ``{"model_path", "weight_version", "model_type", ...}``.
+  ``GET /get_server_info`` (= ``/server_info``): the server arguments.
+- ``GET /get_weight_version``: 404 in 0.5.23. The version is in ``/get_model_info`` and in every
+  ``/generate`` response's ``meta_info.weight_version`` ("default" until set).
+- ``POST /generate``: ``output_ids``, ``meta_info.finish_reason`` (``{"type": "length"|"stop", ...}``),
+  ``meta_info.weight_version``; with ``return_logprob`` ``output_token_logprobs`` as
+  ``[logprob, token_id, null]``. With ``stream: true`` every SSE chunk carries the CUMULATIVE
+  ``output_ids``, ``finish_reason`` is null until the last chunk, then ``data: [DONE]``.
+- ``POST /update_weights_from_disk {"model_path", "weight_version"}``: reloads the weights (not the
+  tokenizer) and sets the version: ``{"success": true, "message": ..., "num_paused_requests": 0}``.
+- ``POST /update_weight_version {"new_version"}``: sets the version only (aborts running requests by
+  default).
+- ``POST /pause_generation {"mode"}`` / ``POST /continue_generation``: ``{"status": "ok", ...}``.
+- ``POST /abort_request {"abort_all": true}``: 200, empty body.
+- ``GET|POST /flush_cache``: 200 with text; does nothing while requests run.
+- ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` (``{"tags": [...]}``): 200 with body
+  ``null`` on CPU, and nothing is released (generation keeps working in between). A GPU feature: it needs
+  ``--enable-memory-saver`` (torch_memory_saver) there; unverified here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from belayer_plugin.config import EnginesConfig, SGLangConfig
+
+STANDINS_DIR = Path(__file__).resolve().parent / "sglang_standins"
+
+# Memory regions /release_memory_occupation and /resume_memory_occupation accept as tags (0.5.23's
+# sglang.srt.constants). No tags means all of them.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def repo_root() -> Optional[Path]:
+    """The source checkout holding this package (the directory with pyproject.toml), if there is one."""
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "pyproject.toml").is_file() and (parent / "belayer_plugin").is_dir():
+            return parent
+    return None
+
+
+def resolve_python(python: str) -> Path:
+    """The SGLang interpreter named by `python`.
+
+    An absolute path is used as is; a bare name (``python3``) is looked up on PATH; any other relative path
+    (``.venv-sglang/bin/python``) resolves against the current working directory first, then against the
+    repository root that holds this package, so it works from the checkout and from Ray workers whose
+    working directory is elsewhere. A path that exists nowhere comes back as the repo-root candidate (or
+    cwd's when there is no checkout), so errors name a sensible place.
+    """
+    p = Path(python).expanduser()
+    if p.is_absolute():
+        return p
+    if os.sep not in python:
+        found = shutil.which(python)
+        return Path(found) if found else p
+    candidates = [Path.cwd() / p]
+    root = repo_root()
+    if root is not None:
+        candidates.append(root / p)
+    for c in candidates:
+        if c.exists():
+            return c.absolute()  # not resolve(): a venv's python is a symlink to the base interpreter
+    return candidates[-1].absolute()
+
+
+def _sglang_cfg(cfg: Union[EnginesConfig, SGLangConfig]) -> SGLangConfig:
+    return cfg.sglang if isinstance(cfg, EnginesConfig) else cfg
+
+
+def sglang_env(cfg: Union[EnginesConfig, SGLangConfig], model_path: str = "",
+               torch_threads: Optional[int] = None) -> dict[str, str]:
+    """Extra environment for an SGLang server process (merged over the caller's environment)."""
+    s = _sglang_cfg(cfg)
+    use_standins = s.standins_on_path and s.device == "cpu"
+    # Replace, never extend, PYTHONPATH: SGLang's venv must not see another venv's packages (a Ray worker's
+    # PYTHONPATH can name Belayer's), and on GPU a real torchvision must not be shadowed by a stand-in.
+    env = {"PYTHONPATH": str(STANDINS_DIR) if use_standins else ""}
+    if s.device == "cpu":
+        # "1" selects SGLang's CPU engine, which needs sgl-kernel's CPU build (not installable here); with
+        # "0" the ops run their native PyTorch paths.
+        env["SGLANG_USE_CPU_ENGINE"] = "0"
+        if torch_threads:
+            # Several servers share a few cores: oversubscribed OpenMP makes them all slow.
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(torch_threads)
+    if model_path and Path(model_path).is_dir():
+        # A local model needs no hub; without these, transformers may try (and wait on) the network.
+        env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
+    return env
+
+
+def sglang_server_command(cfg: EnginesConfig, model_path: str, host: str, port: int, *,
+                          weight_version: str = "default") -> tuple[list[str], dict[str, str]]:
+    """argv (``<cfg.sglang.python> -m sglang.launch_server ...``) and extra environment for one server."""
+    s = cfg.sglang
+    if s.device == "cpu" and s.tp_size != 1:
+        raise ValueError("engines.sglang.tp_size: must be 1 on device cpu")
+    argv = [str(resolve_python(s.python)), "-m", "sglang.launch_server",
+            "--model-path", model_path, "--host", host, "--port", str(port),
+            "--device", s.device, "--random-seed", str(s.random_seed), "--weight-version", weight_version]
+    if s.dtype:
+        argv += ["--dtype", s.dtype]
+    if s.attention_backend:
+        argv += ["--attention-backend", s.attention_backend]
+    if s.max_total_tokens > 0:
+        argv += ["--max-total-tokens", str(s.max_total_tokens)]
+    if s.mem_fraction_static > 0:
+        argv += ["--mem-fraction-static", str(s.mem_fraction_static)]
+    if s.tp_size > 1:
+        argv += ["--tp-size", str(s.tp_size)]  # GPU: unverified here
+    if s.device == "cpu":
+        # No CUDA graphs on CPU (0.5.23's spelling; --disable-cuda-graph is deprecated and maps to this).
+        # Warm-up only costs start-up time here: nothing to compile or capture.
+        argv += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
+                 "--skip-server-warmup"]
+    elif s.enable_memory_saver:
+        # GPU: lets /release_memory_occupation free weights and KV cache (a standby shadow). Unverified here.
+        argv.append("--enable-memory-saver")
+    argv += list(s.extra_args)
+    threads = cfg.torch_threads if s.device == "cpu" else None
+    return argv, sglang_env(cfg, model_path, threads)
+
+
+@lru_cache(maxsize=8)
+def _python_has_sglang(python: str) -> bool:
+    try:
+        r = subprocess.run([python, "-c", "import importlib.util as u; import sys; "
+                            "sys.exit(0 if u.find_spec('sglang') and u.find_spec('torch') else 1)"],
+                           capture_output=True, timeout=30, env={**os.environ, "PYTHONPATH": ""})
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def sglang_available(cfg: Union[EnginesConfig, SGLangConfig]) -> bool:
+    """Whether the configured SGLang interpreter exists and can find sglang and torch (cheap: no import).
+
+    A full ``import sglang`` takes ~7 s here; a venv that finds the packages but fails to import them is
+    broken, and should fail loudly when a server starts rather than be skipped.
+    """
+    python = resolve_python(_sglang_cfg(cfg).python)
+    return python.is_file() and _python_has_sglang(str(python))
+
+
+# --- the HTTP admin API (0.5.23): request bodies and response fields -----------------------------------
+
+MODEL_INFO_PATH = "/get_model_info"  # holds weight_version; 0.5.23 has no /get_weight_version
+
+
+def weight_version_of(response: dict[str, Any]) -> str:
+    """The weight version in a /get_model_info answer or a /generate response (or stream chunk)."""
+    if "weight_version" in response:
+        return str(response["weight_version"])
+    meta = response.get("meta_info") or {}
+    if "weight_version" in meta:
+        return str(meta["weight_version"])
+    raise KeyError("no weight_version in this response (neither top-level nor meta_info)")
+
+
+def update_weights_from_disk_body(model_path: str, weight_version: str, *, abort_all_requests: bool = False,
+                                  flush_cache: bool = True) -> dict[str, Any]:
+    """Body of ``POST /update_weights_from_disk``: load new weights (not the tokenizer) and set the version."""
+    return {"model_path": model_path, "weight_version": weight_version,
+            "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
+
+
+def update_weight_version_body(new_version: str, *, abort_all_requests: bool = False) -> dict[str, Any]:
+    """Body of ``POST /update_weight_version`` (version only; SGLang's default aborts running requests)."""
+    return {"new_version": new_version, "abort_all_requests": abort_all_requests}
+
+
+def memory_occupation_body(tags: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Body of ``POST /release_memory_occupation`` or ``/resume_memory_occupation`` (GPU; unverified here).
+
+    `tags` picks regions among MEMORY_TAGS; None means all. On CPU both routes answer `null` and release
+    nothing.
+    """
+    if tags is None:
+        return {}
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise ValueError(f"unknown memory tags {bad}; SGLang 0.5.23 knows {list(MEMORY_TAGS)}")
+    return {"tags": list(tags)}
+
+
+def pause_generation_body(mode: str = "retract") -> dict[str, Any]:
+    """Body of ``POST /pause_generation``: abort (fail running requests), retract (requeue, KV recomputed
+    on continue) or in_place (keep them and their KV cache)."""
+    if mode not in ("abort", "retract", "in_place"):
+        raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
+    return {"mode": mode}
+
+
+# --- running a server outside Ray (tests, benchmarks) ---------------------------------------------------
+
+
+def launch_sglang_server(cfg: EnginesConfig, model_path: str, host: str, port: int, log_path: Path, *,
+                         weight_version: str = "default") -> subprocess.Popen:
+    """Starts one server in its own process group (so it and its scheduler children die together)."""
+    argv, extra_env = sglang_server_command(cfg, model_path, host, port, weight_version=weight_version)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as logf:
+        return subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **extra_env}, start_new_session=True)
+
+
+def wait_first_token(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    """Waits until `url` serves a one-token /generate; returns the seconds waited.
+
+    Raises RuntimeError if the process exits first, TimeoutError after `timeout_s`. A generation is the
+    readiness signal that matters (and what /health does internally, at a 1 s polling granularity).
+    """
+    import httpx
+
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    with httpx.Client() as client:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"SGLang server exited with {proc.returncode} before serving a token")
+            try:
+                r = client.post(f"{url}/generate", json=body, timeout=max(1.0, deadline - time.monotonic()))
+                if r.status_code == 200 and r.json().get("output_ids"):
+                    return time.monotonic() - t0
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SGLang server at {url} served no token within {timeout_s} s")
+            time.sleep(0.05)  # a starting server offers no event to await; the deadline bounds this
+
+
+def stop_sglang_server(proc: subprocess.Popen, grace_s: float = 10.0) -> Optional[int]:
+    """Stops a server's whole process group: SIGTERM, then SIGKILL after `grace_s`; returns the exit code."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            return proc.wait()
+    # Also reap children that outlived the leader (SGLang's scheduler and detokenizer processes).
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return proc.wait(grace_s)
+
+
+def measure_sglang_cold_start(cfg: EnginesConfig, model_path: str, log_path: Optional[Path] = None) -> float:
+    """Seconds from process start to the first served token for one fresh server (stopped afterwards)."""
+    import tempfile
+
+    from belayer_plugin.engines.launch import free_port
+
+    host = cfg.host
+    port = free_port(host)
+    log = log_path or Path(tempfile.mkdtemp(prefix="belayer-sglang-")) / "server.log"
+    t0 = time.monotonic()
+    proc = launch_sglang_server(cfg, model_path, host, port, log)
+    try:
+        wait_first_token(f"http://{host}:{port}", proc, cfg.startup_timeout_s)
+        return time.monotonic() - t0
+    finally:
+        stop_sglang_server(proc, cfg.shutdown_timeout_s)
