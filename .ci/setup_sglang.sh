@@ -10,7 +10,8 @@
 # Two modules SGLang imports but does not use on CPU for text models (torchvision, vllm) are replaced by
 # Belayer's import stand-ins (belayer_plugin/engines/sglang_standins), put on PYTHONPATH by the launcher.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+cd "$(dirname "$SELF")/.."
 ROOT=$PWD
 PY=${BELAYER_PYTHON:-python3}
 VENV=$ROOT/.venv-sglang
@@ -18,30 +19,43 @@ FREEZE=$ROOT/.ci/sglang-cpu-freeze.txt
 STANDINS=$ROOT/belayer_plugin/engines/sglang_standins
 STAMP=$VENV/.belayer-sglang-installed
 log() { printf '[setup_sglang] %s\n' "$*"; }
+# This kind of machine's pip config names local index folders that may not exist; pip then prints one
+# warning per package. Drop only those lines (pipefail keeps pip's exit status).
+pip_q() { "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 t0=$(date +%s)
 
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV with $($PY --version)"
   "$PY" -m venv "$VENV"
 fi
-if [ ! -f "$STAMP" ] || [ "$FREEZE" -nt "$STAMP" ] || [ "$0" -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ "$FREEZE" -nt "$STAMP" ] || [ "$SELF" -nt "$STAMP" ]; then
   log "installing torch 2.13.0+cpu and the SGLang CPU package set (--no-deps) into $VENV"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+  pip_q install -q --disable-pip-version-check --upgrade pip
   # The constraint keeps the CPU build (the +cpu local version) whatever pip's index offers.
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c .ci/constraints.txt "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$FREEZE"
-  # Wheels that would shadow the stand-ins and crash at import (PyPI's torchvision links libtorch_cuda).
-  "$VENV/bin/python" -m pip uninstall -q -y torchvision vllm 2>/dev/null || true
+  pip_q install -q --disable-pip-version-check -c .ci/constraints.txt "torch==2.13.0"
+  pip_q install -q --disable-pip-version-check --no-deps -r "$FREEZE"
+  # Real packages would shadow nothing (the stand-ins come first on PYTHONPATH) but PyPI's torchvision
+  # links libtorch_cuda and would crash anything else that imports it: keep them out of this venv.
+  pip_q uninstall -q -y torchvision vllm >/dev/null || true
   touch "$STAMP"
+  installed=1
 fi
 
-# Smoke check: the server's entry module and its arguments import with the stand-ins on path, on CPU.
-PYTHONPATH="$STANDINS" "$VENV/bin/python" - <<'EOF'
+if [ "${installed:-0}" = 1 ] || [ "${BELAYER_SGLANG_SMOKE:-0}" = 1 ]; then
+  # Smoke check after an install (~7 s): the server's entry module and its arguments import with the
+  # stand-ins on path, on the CPU build of torch.
+  PYTHONPATH="$STANDINS" "$VENV/bin/python" - <<'EOF2'
 import torch, sglang, transformers
 import sglang.launch_server  # noqa: F401  (imports the HTTP server, scheduler and model runner modules)
 from sglang.srt.server_args import ServerArgs  # noqa: F401
 assert torch.__version__.endswith("+cpu"), torch.__version__
 print(f"[setup_sglang] .venv-sglang ok: sglang {sglang.__version__}, torch {torch.__version__}, "
       f"transformers {transformers.__version__}")
-EOF
+EOF2
+else
+  # Already installed: a cheap check that the packages are still there (BELAYER_SGLANG_SMOKE=1 imports).
+  "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('sglang') and u.find_spec('torch') else 1)" \
+    || { echo "[setup_sglang] $VENV is stamped but lacks sglang or torch: rm -r $VENV and rerun" >&2; exit 1; }
+  log ".venv-sglang already installed (stamp $STAMP)"
+fi
 log "took $(( $(date +%s) - t0 )) s"
