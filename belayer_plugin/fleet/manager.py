@@ -1,0 +1,428 @@
+"""The fleet manager: the only component that acts on engines (deregister, kill, restart, refit, register).
+
+Signals from the monitor (and from clients that saw a request fail) go through the pure health machine;
+transitions to DEAD start one recovery task per slot: deregister from the router and confirm, kill,
+then restart under the restart policy (or retire), bring the new incarnation to the current weight
+version (STALE until then), and register it only once HEALTHY with current weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import signal as _signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from belayer_plugin.config import BelayerConfig
+from belayer_plugin.engines.actor import EngineInfo, remote_engine_actor
+from belayer_plugin.events import EventLog
+from belayer_plugin.fleet.health import EngineHealth, Signal, State
+from belayer_plugin.fleet.launch import resolve_model_path
+from belayer_plugin.fleet.monitor import HealthMonitor
+from belayer_plugin.fleet.policy import FleetBelowFloorError, RestartPolicy
+from belayer_plugin.fleet.router import Router, RouterError
+
+log = logging.getLogger("belayer.fleet")
+
+
+class Phase(str, enum.Enum):
+    SERVING = "serving"
+    PAUSED = "paused"
+    RELEASED = "released"  # paused with engine memory released (weights/KV cache offloaded)
+    REFIT = "refit"
+
+
+class WeightVersionError(RuntimeError):
+    """An engine reports a weight version other than the fleet's current one after a refit."""
+
+
+class NoHealthyEngineError(RuntimeError):
+    """No engine can take a request right now (all are dead, restarting or stale)."""
+
+
+@dataclass
+class Slot:
+    """One engine position in the fleet; its incarnations come and go."""
+
+    slot_id: str
+    health: EngineHealth
+    actor: Any = None
+    info: Optional[EngineInfo] = None
+    inflight: int = 0
+    registered: bool = False
+    recovery: Optional[asyncio.Task] = None
+    fault_t: Optional[float] = None  # when the current fault was first observed (for detection figures)
+    served_version: str = ""
+
+
+@dataclass
+class Weights:
+    version: str = "default"
+    path: Optional[str] = None  # None: the base model every engine starts from
+
+
+class FleetManager:
+    """Engines with health, bounded restarts, router membership and weight-version safety."""
+
+    def __init__(self, cfg: BelayerConfig, run_dir: Path, events: Optional[EventLog] = None,
+                 model_path: Optional[str] = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.events = events or EventLog(self.run_dir / "events.jsonl")
+        self.model_path = model_path or resolve_model_path(cfg)
+        self.slots: dict[str, Slot] = {}
+        self.weights = Weights()
+        self.phase = Phase.SERVING
+        self.policy = RestartPolicy(cfg.restart)
+        self.monitor = HealthMonitor(cfg.monitor, self._on_signal)
+        self.router: Optional[Router] = None
+        self.fatal: Optional[FleetBelowFloorError] = None
+        self._changed = asyncio.Condition()
+        self._closing = False
+
+    # ----------------------------------------------------------------- start / stop
+    async def start(self) -> None:
+        """Starts every engine and the router; returns when all are HEALTHY and registered."""
+        if self.cfg.router.mode == "sglang_router":
+            self.router = Router(self.cfg.router, self.run_dir)
+            await self.router.start()
+        for i in range(self.cfg.engines.num_engines):
+            sid = f"engine-{i}"
+            self.slots[sid] = Slot(sid, EngineHealth(sid, self.cfg.monitor.failure_threshold, since=time.monotonic()))
+        await asyncio.gather(*(self._bring_up(s) for s in self.slots.values()))
+        self.monitor.resume()
+        self._raise_if_fatal()
+
+    async def shutdown(self) -> None:
+        """Stops the monitor, every engine and the router; safe with recoveries and probes in flight."""
+        import ray
+
+        self._closing = True
+        await self.monitor.stop()
+        tasks = [s.recovery for s in self.slots.values() if s.recovery and not s.recovery.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+        for s in self.slots.values():
+            if s.actor is not None:
+                try:
+                    await asyncio.wait_for(s.actor.stop.remote(), self.cfg.engines.shutdown_timeout_s * 2)
+                except Exception:  # dead or hung: ray.kill below takes it (and PDEATHSIG its server)
+                    pass
+                ray.kill(s.actor, no_restart=True)
+        if self.router is not None:
+            await self.router.aclose()
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def url(self) -> Optional[str]:
+        return self.router.url if self.router else None
+
+    def states(self) -> dict[str, str]:
+        return {sid: s.health.state.value for sid, s in self.slots.items()}
+
+    def serving_slots(self) -> list[Slot]:
+        return [s for s in self.slots.values() if s.health.serving and s.info is not None]
+
+    def _raise_if_fatal(self) -> None:
+        if self.fatal is not None:
+            raise self.fatal
+
+    async def wait_all_healthy(self, timeout: float) -> None:
+        """Waits until every non-retired engine is HEALTHY; raises the fleet's fatal error if any."""
+
+        def done() -> bool:
+            return self.fatal is not None or all(
+                s.health.state in (State.HEALTHY, State.RETIRED) for s in self.slots.values())
+
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(done), timeout)
+        self._raise_if_fatal()
+
+    def pick_engine(self, exclude: tuple[str, ...] = ()) -> Slot:
+        """Direct mode: the least-loaded HEALTHY engine (SUSPECT ones only if nothing else serves)."""
+        self._raise_if_fatal()
+        cands = [s for s in self.serving_slots() if s.slot_id not in exclude]
+        healthy = [s for s in cands if s.health.state is State.HEALTHY] or cands
+        if not healthy:
+            raise NoHealthyEngineError(f"no serving engine (states: {self.states()})")
+        return min(healthy, key=lambda s: (s.inflight, s.slot_id))
+
+    # ----------------------------------------------------------------- signals
+    async def report(self, slot_id: str, sig: Signal, reason: str, url: Optional[str] = None) -> None:
+        """Lets a client report what it saw (e.g. a failed request); ignored if about an older incarnation."""
+        s = self.slots.get(slot_id)
+        if s is None or (url is not None and (s.info is None or s.info.url != url)):
+            return
+        await self._on_signal(slot_id, sig, s.health.incarnation, reason)
+
+    def slot_for_url(self, url: str) -> Optional[Slot]:
+        return next((s for s in self.slots.values() if s.info is not None and s.info.url == url), None)
+
+    async def _on_signal(self, slot_id: str, sig: Signal, incarnation: int, reason: str) -> None:
+        s = self.slots.get(slot_id)
+        if s is None or self._closing:
+            return
+        now = time.monotonic()
+        if sig in (Signal.PROBE_FAILED, Signal.REQUEST_FAILED, Signal.UNAVAILABLE) and s.fault_t is None \
+                and s.health.incarnation == incarnation:
+            s.fault_t = time.time()
+        tr = s.health.apply(sig, now, incarnation, reason)
+        if tr is None:
+            return
+        self._transition_event(tr)
+        if tr.to_state is State.HEALTHY:
+            s.fault_t = None
+        if tr.to_state is State.DEAD:
+            first_seen = s.fault_t or time.time()
+            self.events.emit("monitor", slot_id, "detected", reason, level="warning", signal=sig.value,
+                             incarnation=incarnation, phase=self.phase.value,
+                             latency_from_first_symptom_s=round(time.time() - first_seen, 4))
+            s.fault_t = None
+            if s.recovery is None or s.recovery.done():
+                s.recovery = asyncio.create_task(self._recover(s), name=f"recover-{slot_id}")
+        await self._notify()
+
+    def _transition_event(self, tr: Any) -> None:
+        level = "warning" if tr.to_state in (State.DEAD, State.SUSPECT, State.RETIRED) else "info"
+        self.events.emit("fleet", tr.engine, "transition", tr.reason, tr.from_state.value, tr.to_state.value,
+                         level=level, signal=tr.signal.value, incarnation=tr.incarnation)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _apply(self, s: Slot, sig: Signal, reason: str = "") -> None:
+        tr = s.health.apply(sig, time.monotonic(), s.health.incarnation, reason)
+        if tr is not None:
+            self._transition_event(tr)
+            await self._notify()
+
+    # ----------------------------------------------------------------- actions
+    async def _deregister(self, s: Slot) -> None:
+        if self.router is not None and s.info is not None and s.registered:
+            t0 = time.monotonic()
+            await self.router.remove(s.info.url)  # confirmed: RouterError if it does not take effect
+            self.events.emit("fleet", s.slot_id, "deregistered", f"{s.info.url} removed from the router",
+                             took_s=round(time.monotonic() - t0, 4))
+        s.registered = False
+
+    async def _register(self, s: Slot) -> None:
+        assert s.health.state is State.HEALTHY and s.served_version == self.weights.version, \
+            "only a HEALTHY engine with current weights may be registered"
+        if self.router is not None and s.info is not None and not s.registered:
+            await self.router.add(s.info.url)
+            self.events.emit("fleet", s.slot_id, "registered", f"{s.info.url} added to the router",
+                             version=s.served_version)
+        s.registered = True
+
+    async def _kill(self, s: Slot) -> None:
+        import ray
+
+        if s.info is not None:
+            try:  # the server first: a SIGSTOPped process still takes SIGKILL
+                os.killpg(s.info.pid, _signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if s.actor is not None:
+            ray.kill(s.actor, no_restart=True)
+
+    async def _bring_up(self, s: Slot) -> None:
+        """Starts a new incarnation (RESTARTING -> STALE), brings it to current weights, registers it."""
+        import ray
+
+        from belayer_plugin.engines.actor import EngineStartError
+
+        cls = remote_engine_actor(self.cfg.engines)
+        s.actor = cls.remote(s.slot_id, self.cfg.engines, self.model_path, str(self.run_dir / "engines"))
+        try:
+            s.info = await s.actor.start.remote()
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, EngineStartError) as e:
+            cause = e.as_instanceof_cause() if isinstance(e, ray.exceptions.RayTaskError) else e
+            self.events.emit("fleet", s.slot_id, "start_failed", str(cause)[:500], level="error")
+            await self._on_signal(s.slot_id, Signal.LIVENESS_LOST, s.health.incarnation, f"start failed: {type(cause).__name__}")
+            return
+        s.served_version = s.info.weight_version
+        self.monitor.watch(s.slot_id, s.health.incarnation, s.actor, s.info.url)
+        await self._apply(s, Signal.STARTED, f"pid {s.info.pid} at {s.info.url} in {s.info.started_s:.2f} s")
+        await self._make_current(s)
+
+    async def _make_current(self, s: Slot) -> None:
+        """STALE -> HEALTHY once the engine verifiably serves the fleet's current version; then register."""
+        if s.health.state is not State.STALE:
+            return
+        want = self.weights
+        if s.served_version != want.version:
+            ok = await self._update_weights(s, want)
+            if not ok:
+                return
+        if want is not self.weights:  # a refit happened meanwhile: go again with the newer version
+            return await self._make_current(s)
+        await self._apply(s, Signal.WEIGHTS_CURRENT, f"serves weight version {s.served_version}")
+        await self._match_phase(s)
+        if s.health.state is State.HEALTHY:
+            try:
+                await self._register(s)
+            except RouterError as e:
+                await self._on_signal(s.slot_id, Signal.REQUEST_FAILED, s.health.incarnation, f"register failed: {e}")
+
+    async def _update_weights(self, s: Slot, want: Weights) -> bool:
+        """Loads `want` into the engine and checks the version it then reports; False if it failed."""
+        path = want.path or self.model_path
+        try:
+            r = await s.actor.call.remote("POST", "/update_weights_from_disk",
+                                          {"model_path": path, "weight_version": want.version}, 600.0)
+            version = await s.actor.weight_version.remote()
+        except Exception as e:  # the engine died mid-refit: liveness reports it; nothing to do here
+            self.events.emit("fleet", s.slot_id, "refit_failed", f"{type(e).__name__}: {e}"[:300], level="warning",
+                             version=want.version)
+            return False
+        s.served_version = version
+        if r["status"] != 200 or version != want.version:
+            self.events.emit("fleet", s.slot_id, "weight_version_mismatch",
+                             f"expected {want.version}, engine reports {version} (HTTP {r['status']})",
+                             level="error", expected=want.version, actual=version)
+            return False
+        return True
+
+    async def _match_phase(self, s: Slot) -> None:
+        """A replacement joins in the fleet's phase (e.g. memory released while the trainer trains)."""
+        if self.phase is Phase.RELEASED:
+            await s.actor.call.remote("POST", "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
+
+    async def _recover(self, s: Slot) -> None:
+        """DEAD: deregister (confirmed), kill, then restart under the policy or retire."""
+        try:
+            while s.health.state is State.DEAD and not self._closing:
+                try:
+                    await self._deregister(s)
+                except RouterError as e:
+                    self.events.emit("fleet", s.slot_id, "deregister_failed", str(e), level="error")
+                self.monitor.unwatch(s.slot_id)
+                await self._kill(s)
+                self.events.emit("fleet", s.slot_id, "killed", "fenced before restart", incarnation=s.health.incarnation)
+                now = time.monotonic()
+                decision = self.policy.decide(s.slot_id, now)
+                if decision.action == "retire":
+                    await self._apply(s, Signal.RETIRE, decision.reason)
+                    s.actor, s.info = None, None
+                    try:
+                        self.policy.check_floor(h.health for h in self.slots.values())
+                    except FleetBelowFloorError as e:
+                        self.fatal = e
+                        self.events.emit("fleet", "fleet", "below_floor", str(e), level="error",
+                                         usable=e.usable, floor=e.floor)
+                        await self._notify()
+                    return
+                if decision.delay_s > 0:
+                    self.events.emit("restart", s.slot_id, "backoff", decision.reason, delay_s=decision.delay_s)
+                    await asyncio.sleep(decision.delay_s)  # the backoff itself
+                self.policy.record_restart(s.slot_id, time.monotonic())
+                await self._apply(s, Signal.RESTART_BEGUN, decision.reason)
+                t0 = time.monotonic()
+                await self._bring_up(s)
+                if s.health.state in (State.STALE, State.HEALTHY):
+                    self.events.emit("restart", s.slot_id, "restarted", decision.reason,
+                                     incarnation=s.health.incarnation, took_s=round(time.monotonic() - t0, 3),
+                                     state=s.health.state.value)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never leave a slot silently stuck
+            log.exception("recovery of %s failed", s.slot_id)
+            self.events.emit("fleet", s.slot_id, "recovery_error", f"{type(e).__name__}: {e}", level="error")
+
+    # ----------------------------------------------------------------- trainer lifecycle
+    async def pause(self, release_memory: bool = False) -> None:
+        """Leaves the serving phase (readiness probes stop; liveness keeps watching)."""
+        self.monitor.pause()
+        self.phase = Phase.RELEASED if release_memory else Phase.PAUSED
+        if release_memory:
+            await asyncio.gather(*(s.actor.call.remote("POST", "/release_memory_occupation",
+                                                       {"tags": ["kv_cache", "weights"]})
+                                   for s in self.slots.values() if s.actor is not None and s.health.serving),
+                                 return_exceptions=True)
+        self.events.emit("fleet", "fleet", "phase", self.phase.value)
+
+    async def resume(self) -> None:
+        """Back to serving: resumes memory where released, then readiness probes."""
+        if self.phase is Phase.RELEASED:
+            await asyncio.gather(*(s.actor.call.remote("POST", "/resume_memory_occupation",
+                                                       {"tags": ["kv_cache", "weights"]})
+                                   for s in self.slots.values() if s.actor is not None and s.info is not None),
+                                 return_exceptions=True)
+        self.phase = Phase.SERVING
+        self.monitor.resume()
+        self.events.emit("fleet", "fleet", "phase", self.phase.value)
+
+    async def recover_dead(self, timeout: float) -> int:
+        """Waits for recoveries under way; a no-op (returns 0 at once, changes nothing) when nothing died."""
+        pending = [s.recovery for s in self.slots.values() if s.recovery is not None and not s.recovery.done()]
+        if not pending:
+            return 0
+        await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout)
+        self._raise_if_fatal()
+        return len(pending)
+
+    async def refit(self, weights_path: str, version: str) -> dict[str, str]:
+        """Loads new policy weights into every engine and verifies each reports `version`.
+
+        Engines that die meanwhile are restarted by recovery straight onto the new version. Returns
+        {engine: version served}; raises WeightVersionError if a live engine does not serve `version`.
+        """
+        self._raise_if_fatal()
+        prev = self.phase
+        self.phase = Phase.REFIT
+        self.monitor.pause()
+        self.weights = Weights(version, weights_path)  # first: restarts racing with us pick it up
+        self.events.emit("fleet", "fleet", "refit_begin", f"to {version}", version=version)
+        targets = [s for s in self.slots.values() if s.health.state in (State.HEALTHY, State.SUSPECT)]
+        results = await asyncio.gather(*(self._update_weights(s, self.weights) for s in targets))
+        bad = []
+        for s, ok in zip(targets, results):
+            if not ok and s.health.state in (State.HEALTHY, State.SUSPECT):
+                alive = await self._alive(s)
+                if alive:
+                    # Never silent: the engine leaves the router and is fenced and restarted.
+                    await self._deregister(s)
+                    await self._apply(s, Signal.VERSION_MISMATCH, f"serves {s.served_version}, want {version}")
+                    bad.append(s.slot_id)
+                    await self._on_signal(s.slot_id, Signal.KILLED, s.health.incarnation, "stale after refit")
+        self.phase = prev if prev is not Phase.REFIT else Phase.SERVING
+        if self.phase is Phase.SERVING:
+            self.monitor.resume()
+        served = {sid: s.served_version for sid, s in self.slots.items() if s.health.serving}
+        self.events.emit("fleet", "fleet", "refit_done", f"to {version}", version=version, engines=served,
+                         mismatched=bad)
+        if bad:
+            raise WeightVersionError(f"engines {bad} did not load weight version {version}; they were fenced "
+                                     "and are being restarted onto it")
+        return served
+
+    async def _alive(self, s: Slot) -> bool:
+        try:
+            return bool(await asyncio.wait_for(s.actor.server_alive.remote(), self.cfg.monitor.liveness_timeout_s))
+        except Exception:
+            return False
+
+    async def verify_versions(self) -> dict[str, str]:
+        """Asks every serving engine for its version; a mismatch fences it (never silent)."""
+        out = {}
+        for s in self.serving_slots():
+            try:
+                v = await s.actor.weight_version.remote()
+            except Exception:
+                continue  # dying: liveness handles it
+            out[s.slot_id] = v
+            if v != self.weights.version:
+                self.events.emit("fleet", s.slot_id, "weight_version_mismatch",
+                                 f"expected {self.weights.version}, engine reports {v}", level="error")
+                await self._deregister(s)
+                await self._apply(s, Signal.VERSION_MISMATCH, f"serves {v}, want {self.weights.version}")
+                await self._on_signal(s.slot_id, Signal.KILLED, s.health.incarnation, "stale weights")
+        return out
