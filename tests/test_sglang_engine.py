@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import httpx
 import pytest
@@ -79,9 +80,10 @@ def sglang_server(tiny_model, tmp_path_factory):
     assert proc.poll() is not None
 
 
-async def _gen(url: str, ids: list[int], sp: dict = GREEDY, **kw) -> dict:
+async def _gen(url: str, ids: Optional[list[int]], sp: dict = GREEDY, **kw) -> dict:
+    body = {"sampling_params": sp, **kw} if ids is None else {"input_ids": ids, "sampling_params": sp, **kw}
     async with httpx.AsyncClient() as c:
-        return await generate(c, url, {"input_ids": ids, "sampling_params": sp, **kw}, 60.0)
+        return await generate(c, url, body, 60.0)
 
 
 # --- the launcher (no server) ----------------------------------------------------------------------------
@@ -186,6 +188,19 @@ async def test_prefix_continuation_gives_the_same_remaining_ids(sglang_server, k
     full = (await _gen(sglang_server, PROMPT))["output_ids"]
     rest = await _gen(sglang_server, PROMPT + full[:k], {**GREEDY, "max_new_tokens": N - k})
     assert rest["output_ids"] == full[k:]
+
+
+@needs_sglang
+async def test_text_prompts_are_tokenized_like_belayers_tokenizer(sglang_server, tiny_model):
+    from transformers import AutoTokenizer
+
+    # Digits and accents: where a raw ByteLevel pre-tokenizer and Qwen2's (what transformers loads) differ.
+    text = "Checkpoint 1234 at step 56: héllo wörld!"
+    ids = AutoTokenizer.from_pretrained(tiny_model).encode(text, add_special_tokens=False)
+    by_text = await _gen(sglang_server, None, text=text)
+    by_ids = await _gen(sglang_server, ids)
+    assert by_text["meta_info"]["prompt_tokens"] == len(ids)
+    assert by_text["output_ids"] == by_ids["output_ids"]
 
 
 @needs_sglang

@@ -16,6 +16,12 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# transformers' Qwen2Tokenizer PRETOKENIZE_REGEX (also the one in Qwen2 checkpoints' tokenizer.json).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Bumped when the built files change, so ensure_tiny rebuilds older copies (2: Qwen2 pre-tokenizer).
+TINY_FORMAT = 2
 _WORDS = (
     "the a an engine rollout policy reward sandbox checkpoint restore token model train step fault "
     "tolerance shadow handover weight version router request stream health monitor restart budget "
@@ -36,7 +42,7 @@ def _corpus(n_lines: int, seed: int) -> list[str]:
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 512, seed: int = 0) -> None:
     """Trains a byte-level BPE tokenizer and saves it in Hugging Face format under `out_dir`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -49,6 +55,16 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512, seed: int = 0) -> None
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(4000, seed), trainer=trainer)
+    # transformers 5 loads the tokenizer of any qwen2 model as Qwen2Tokenizer, which replaces the saved
+    # pre-tokenizer with Qwen2's (one token per digit, then ByteLevel without its regex) and adds NFC.
+    # SGLang 0.5.23 sees the mismatch with tokenizer.json and restores the saved one, so the two split
+    # text with digits differently. Saving Qwen2's own components makes tokenizer.json, transformers and
+    # SGLang agree; the vocabulary and merges trained above are unchanged.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|endoftext|>",
@@ -90,18 +106,27 @@ def make_tiny(out_dir: str | Path, seed: int = 0, vocab_size: int = 512, hidden_
     model = Qwen2ForCausalLM(cfg).to(torch.float32)
     model.generation_config.eos_token_id = 0
     model.save_pretrained(str(out), safe_serialization=True)
-    (out / "belayer_tiny.json").write_text(json.dumps({"seed": seed, "kind": "belayer-tiny-qwen2"}))
+    (out / "belayer_tiny.json").write_text(json.dumps({"seed": seed, "kind": "belayer-tiny-qwen2", "format": TINY_FORMAT}))
     return out
 
 
+def _is_current(p: Path) -> bool:
+    """Whether `p` holds a complete tiny model of the current format."""
+    try:
+        marker = json.loads((p / "belayer_tiny.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("format") == TINY_FORMAT and (p / "model.safetensors").exists()
+
+
 def ensure_tiny(path: str | Path) -> Path:
-    """Returns `path`, building the tiny model there first if it is not complete."""
+    """Returns `path`, building the tiny model there first if it is not complete (or of an older format)."""
     p = Path(path)
-    if not (p / "belayer_tiny.json").exists() or not (p / "model.safetensors").exists():
+    if not _is_current(p):
         # Build beside, then rename: a half-built model directory must never be served.
         tmp = p.with_name(p.name + f".tmp{random.randint(0, 1 << 30)}")
         make_tiny(tmp)
-        if not (p / "belayer_tiny.json").exists():
+        if not _is_current(p):
             import shutil
 
             shutil.rmtree(p, ignore_errors=True)
