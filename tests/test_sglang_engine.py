@@ -35,7 +35,6 @@ GREEDY = {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}
 START_VERSION = "v0"
 
 
-
 def belayer_cfg(*overrides: str):
     """The default recipe's typed config with Hydra overrides."""
     from belayer_plugin.config import load_belayer_config
@@ -71,9 +70,11 @@ def sglang_server(tiny_model, tmp_path_factory):
     url = f"http://{CFG.host}:{port}"
     try:
         wait_first_token(url, proc, CFG.startup_timeout_s)
-    except (RuntimeError, TimeoutError) as e:
+    except BaseException as e:  # also Ctrl-C: never leave a server behind
         stop_sglang_server(proc, 5)
-        pytest.fail(f"SGLang did not start: {e}\nlog tail:\n{_tail(log)}")
+        if isinstance(e, (RuntimeError, TimeoutError)):
+            pytest.fail(f"SGLang did not start: {e}\nlog tail:\n{_tail(log)}")
+        raise
     yield url
     # SIGKILL after a short grace: SGLang's orderly exit takes ~8 s and the tests need nothing from it.
     stop_sglang_server(proc, 3)
