@@ -78,6 +78,7 @@ class EnginesConfig:
     shutdown_timeout_s: float = _req()
     torch_threads: int = _req()  # per CPU engine process
     max_running_requests: int = _req()  # CPU engine: requests decoded together
+    cpu_step_delay_ms: float = _req()  # CPU engine: emulated per-step latency of a real model (0: none)
     num_cpus_per_engine: float = _req()  # Ray resources an engine actor claims
     num_gpus_per_engine: float = _req()
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
@@ -91,6 +92,8 @@ class EnginesConfig:
                 out.append(f"{name}: must be > 0")
         if self.torch_threads < 1:
             out.append("torch_threads: must be >= 1")
+        if self.cpu_step_delay_ms < 0:
+            out.append("cpu_step_delay_ms: must be >= 0")
         if self.max_running_requests < 1:
             out.append("max_running_requests: must be >= 1")
         return out

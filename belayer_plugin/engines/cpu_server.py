@@ -132,7 +132,8 @@ class Request:
 class Engine:
     """The model and the interleaved-decoding scheduler; owns all torch state."""
 
-    def __init__(self, model_path: str, weight_version: str, max_running: int, torch_threads: int):
+    def __init__(self, model_path: str, weight_version: str, max_running: int, torch_threads: int,
+                 step_delay_s: float = 0.0):
         import torch
 
         torch.set_num_threads(torch_threads)
@@ -140,6 +141,7 @@ class Engine:
         self.weights_path = model_path
         self.weight_version = weight_version
         self.max_running = max_running
+        self.step_delay_s = step_delay_s
         self.model: Any = None
         self.tokenizer: Any = None
         self.released = False
@@ -147,7 +149,7 @@ class Engine:
         self.pending: list[Request] = []
         self.running: list[Request] = []
         self.by_rid: dict[str, Request] = {}
-        self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0,
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "health_tokens": 0, "aborted": 0,
                          "weight_updates": 0, "steps": 0}
         self._wake = asyncio.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="belayer-model")
@@ -214,6 +216,10 @@ class Engine:
                     continue
                 results = await loop.run_in_executor(self._pool, self._step, batch)
             self.counters["steps"] += 1
+            if self.step_delay_s:
+                # Emulates a real model's per-step latency (the tiny model decodes a token in ~0.5 ms, far
+                # faster than any GPU engine), so fault timing and client overhead are representative.
+                await asyncio.sleep(self.step_delay_s)
             for req, tok, lp in results:
                 if req.finish_reason is not None:  # aborted while the step ran
                     continue
@@ -269,7 +275,8 @@ class Engine:
     def _emit(self, req: Request, tok: int, lp: float) -> None:
         req.output_ids.append(tok)
         req.logprobs.append(lp)
-        self.counters["generated_tokens"] += 1
+        # Health probes are counted apart so tests can account for every token a request cost.
+        self.counters["health_tokens" if req.rid.startswith("health-") else "generated_tokens"] += 1
         s = req.sampling
         reason = None
         if tok in s.stop_token_ids:
@@ -326,7 +333,7 @@ def _response(eng: Engine, req: Request) -> dict:
     }
     if req.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
-    return {"text": eng.tokenizer.decode(req.output_ids), "output_ids": list(req.output_ids), "meta_info": meta}
+    return {"text": eng.tokenizer.decode(req.output_ids, skip_special_tokens=True), "output_ids": list(req.output_ids), "meta_info": meta}
 
 
 def _parse_generate(eng: Engine, body: Any) -> Request:
@@ -537,11 +544,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--step-delay-ms", type=float, default=0.0, help="emulated extra latency per decode step")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     async def serve() -> None:
-        eng = Engine(args.model_path, args.weight_version, args.max_running_requests, args.torch_threads)
+        eng = Engine(args.model_path, args.weight_version, args.max_running_requests, args.torch_threads,
+                     args.step_delay_ms / 1000.0)
         await eng.load()
         app = build_app(eng, {"model_path": args.model_path, "host": args.host, "port": args.port,
                               "max_running_requests": args.max_running_requests, "device": "cpu"})

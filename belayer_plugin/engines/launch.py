@@ -22,7 +22,8 @@ def cpu_server_command(cfg: "EnginesConfig", model_path: str, host: str, port: i
     """argv and extra environment for Belayer's CPU engine."""
     argv = [sys.executable, "-m", "belayer_plugin.engines.cpu_server", "--model-path", model_path,
             "--host", host, "--port", str(port), "--weight-version", weight_version,
-            "--max-running-requests", str(cfg.max_running_requests), "--torch-threads", str(cfg.torch_threads)]
+            "--max-running-requests", str(cfg.max_running_requests), "--torch-threads", str(cfg.torch_threads),
+            "--step-delay-ms", str(cfg.cpu_step_delay_ms)]
     # One thread per engine: several engines share a few cores, and oversubscription makes them all slow.
     env = {"OMP_NUM_THREADS": str(cfg.torch_threads), "MKL_NUM_THREADS": str(cfg.torch_threads)}
     return argv, env
@@ -36,5 +37,5 @@ def server_command(cfg: "EnginesConfig", model_path: str, host: str, port: int,
     if cfg.kind == "sglang":
         from belayer_plugin.engines.sglang import sglang_server_command
 
-        return sglang_server_command(cfg, model_path, host, port)
+        return sglang_server_command(cfg, model_path, host, port, weight_version=weight_version)
     raise ValueError(f"unknown engine kind {cfg.kind!r}")

@@ -145,14 +145,26 @@ class FleetManager:
             await asyncio.wait_for(self._changed.wait_for(done), timeout)
         self._raise_if_fatal()
 
-    def pick_engine(self, exclude: tuple[str, ...] = ()) -> Slot:
+    def pick_engine(self) -> Slot:
         """Direct mode: the least-loaded HEALTHY engine (SUSPECT ones only if nothing else serves)."""
+        return self.pick_engine_excluding_urls(set())
+
+    def pick_engine_excluding_urls(self, exclude: set[str]) -> Slot:
+        """Like pick_engine, skipping engines by URL (a request's failed engines, not their replacements)."""
         self._raise_if_fatal()
-        cands = [s for s in self.serving_slots() if s.slot_id not in exclude]
+        cands = [s for s in self.serving_slots() if s.info.url not in exclude]
         healthy = [s for s in cands if s.health.state is State.HEALTHY] or cands
         if not healthy:
-            raise NoHealthyEngineError(f"no serving engine (states: {self.states()})")
+            raise NoHealthyEngineError(f"no serving engine outside {sorted(exclude)} (states: {self.states()})")
         return min(healthy, key=lambda s: (s.inflight, s.slot_id))
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Returns at the next health transition, or after `timeout` seconds."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
 
     # ----------------------------------------------------------------- signals
     async def report(self, slot_id: str, sig: Signal, reason: str, url: Optional[str] = None) -> None:

@@ -1,0 +1,175 @@
+"""The drop-in front: SGLang's /generate (streaming and not, same shapes) with token-level recovery.
+
+A trainer that posts to the router URL (NeMo-RL does) points at this front instead; recovery is then
+transparent and request ids are preserved. Binds loopback unless configured otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any, Callable, Optional
+
+from aiohttp import web
+
+from belayer_plugin.generation.context_log import ContextLog, Segment
+from belayer_plugin.generation.resumable import RequestFailedError, ResumableGenerator
+
+log = logging.getLogger("belayer.front")
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _validate(body: Any, tokenizer: Callable[[str], list[int]]) -> tuple[str, list[int], dict, bool, bool]:
+    """Returns (rid, input_ids, sampling_params, stream, return_logprob) or raises BadRequest."""
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("exactly one of text or input_ids is required")
+    if text is not None:
+        if not isinstance(text, str):
+            raise BadRequest("text must be a string (batched requests are not supported by the front)")
+        ids = tokenizer(text)
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise BadRequest("input_ids must be a non-empty list of integers (batched requests are not supported)")
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise BadRequest("sampling_params must be an object")
+    mnt = sp.get("max_new_tokens", 128)
+    if isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 0:
+        raise BadRequest(f"sampling_params.max_new_tokens must be an integer >= 0, got {mnt!r}")
+    sp = {**sp, "max_new_tokens": mnt}
+    for key in ("stream", "return_logprob"):
+        if not isinstance(body.get(key, False), bool):
+            raise BadRequest(f"{key} must be true or false")
+    rid = body.get("rid") or uuid.uuid4().hex
+    if not isinstance(rid, str):
+        raise BadRequest("rid must be a string")
+    return rid, ids, sp, bool(body.get("stream", False)), bool(body.get("return_logprob", False))
+
+
+class GenerationFront:
+    """An aiohttp server in front of a ResumableGenerator."""
+
+    def __init__(self, gen: ResumableGenerator, tokenizer_path: str, host: str = "127.0.0.1", port: int = 0,
+                 info_url: Optional[Callable[[], Optional[str]]] = None):
+        self.gen = gen
+        self.host, self.port = host, port
+        self.tokenizer_path = tokenizer_path
+        self.info_url = info_url  # an engine to answer /get_model_info for
+        self._tok: Any = None
+        self._runner: Optional[web.AppRunner] = None
+        self.url = ""
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        return self._tok
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.json_response({"error": {"message": "body is not valid JSON", "code": 400}}, status=400)
+        try:
+            rid, ids, sp, stream, rl = _validate(body, self._encode)
+        except BadRequest as e:
+            return web.json_response({"error": {"message": str(e), "code": 400}}, status=400)
+        if not stream:
+            try:
+                clog, _ = await self.gen.generate(rid, ids, sp, rl)
+            except RequestFailedError as e:
+                return web.json_response({"error": {"message": str(e), "code": e.status}}, status=e.status)
+            return web.json_response(self.gen.response(clog, rl, self._text(clog.output_ids)))
+
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def progress(clog: ContextLog, seg: Segment) -> None:
+            queue.put_nowait((clog, seg))
+
+        task = asyncio.create_task(self.gen.generate(rid, ids, sp, rl, on_progress=progress))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    break
+                if not queue.empty():
+                    continue  # a slow reader gets the newest cumulative state, not a backlog
+                clog, seg = item
+                chunk = self.gen.response(clog, rl, self._text(clog.output_ids))
+                chunk["meta_info"]["finish_reason"] = None
+                chunk["meta_info"]["belayer"] = {"engine": seg.engine, "attempt": len(clog.segments)}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            try:
+                clog, _ = task.result()
+            except RequestFailedError as e:
+                # No [DONE]: a client must never mistake a failed request for a short answer.
+                await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'code': e.status}})}\n\n".encode())
+                return resp
+            final = self.gen.response(clog, rl, self._text(clog.output_ids))
+            await resp.write(f"data: {json.dumps(final)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            if not task.done():  # the client went away
+                task.cancel()
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _health_generate(self, _: web.Request) -> web.Response:
+        try:
+            await self.gen.generate(f"health-{uuid.uuid4().hex}", [0], {"max_new_tokens": 1, "temperature": 0.0})
+        except RequestFailedError as e:
+            return web.json_response({"error": {"message": str(e)}}, status=503)
+        return web.Response(text="ok")
+
+    async def _passthrough(self, request: web.Request) -> web.Response:
+        url = self.info_url() if self.info_url else None
+        if not url:
+            return web.json_response({"error": {"message": "no engine available"}}, status=503)
+        r = await self.gen.client.get(f"{url}{request.path}", timeout=10.0)
+        return web.Response(body=r.content, status=r.status_code, content_type="application/json")
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/generate", self._generate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/health_generate", self._health_generate)
+        for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
+            app.router.add_get(path, self._passthrough)
+        return app
+
+    async def start(self) -> str:
+        """Starts serving; returns the front's URL."""
+        # Load the tokenizer now, off the loop: loading it lazily stalled every stream of the first request.
+        await asyncio.get_running_loop().run_in_executor(None, lambda: self.tokenizer)
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # the port bound when 0 was asked
+        self.url = f"http://{self.host}:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

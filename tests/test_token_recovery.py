@@ -1,0 +1,225 @@
+"""Token-level recovery: in-flight requests survive real engine kills without regenerating tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import time
+
+import httpx
+import pytest
+
+from belayer_plugin.events import EventLog
+from belayer_plugin.fleet.manager import FleetManager
+from belayer_plugin.generation.context_log import ContextLog
+from belayer_plugin.generation.front import GenerationFront
+from belayer_plugin.generation.resumable import FleetSelector, RequestFailedError, ResumableGenerator
+from belayer_plugin.generation.sglang_http import generate, generate_stream, get_json
+from tests.conftest import belayer_cfg
+from tests.test_fleet_recovery import FAST
+
+PROMPTS = [[54, 280, 487, 423, 442], [60, 61, 62], [100, 200, 300, 400], [7, 8, 9, 10, 11, 12]]
+N = 300
+GREEDY = {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}
+
+
+def test_context_log_commits_cumulative_chunks_once():
+    log = ContextLog("r", [1, 2], 10)
+    seg = log.begin("e0", "u0", None)
+    assert log.commit(seg, [5], [[-0.1, 5, None]], "v1") == 1
+    assert log.commit(seg, [5, 6, 7], [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None]], "v1") == 2
+    assert log.commit(seg, [5, 6, 7], None, "v1") == 0
+    assert log.resume_input_ids() == [1, 2, 5, 6, 7] and log.remaining == 7
+    seg2 = log.begin("e1", "u1", None)
+    log.commit(seg2, [8], [[-0.4, 8, None]], "v1")  # relative to the resumed request
+    assert log.output_ids == [5, 6, 7, 8] and log.logprobs == [-0.1, -0.2, -0.3, -0.4]
+    assert (seg.start, seg.end, seg2.start, seg2.end) == (0, 3, 3, 4)
+
+
+@contextlib.asynccontextmanager
+async def fleet_and_front(tmp_path, tiny_model, *overrides):
+    # 2 ms per decode step: slow enough that a kill triggered from the client side lands mid-generation.
+    cfg = belayer_cfg(*FAST, "belayer.recovery.stall_timeout_s=3", "belayer.engines.cpu_step_delay_ms=2", *overrides)
+    events = EventLog(tmp_path / "events.jsonl")
+    fm = FleetManager(cfg, tmp_path, events, model_path=tiny_model)
+    await fm.start()
+    gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, events)
+    front = GenerationFront(gen, tiny_model, info_url=lambda: fm.pick_engine().info.url)
+    await front.start()
+    try:
+        yield fm, gen, front
+    finally:
+        await front.stop()
+        await fm.shutdown()
+
+
+async def _golden(url: str) -> list[list[int]]:
+    async with httpx.AsyncClient() as c:
+        return [(await generate(c, url, {"input_ids": p, "sampling_params": GREEDY}, 120))["output_ids"] for p in PROMPTS]
+
+
+async def _counters(fm) -> dict[str, dict]:
+    out = {}
+    async with httpx.AsyncClient() as c:
+        for s in fm.serving_slots():  # the killed engine's replacement may still be starting
+            out[s.info.url] = (await get_json(c, s.info.url, "/get_server_info", 5))["belayer_counters"]
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_kill_at_random_token_every_request_completes_with_golden_ids_and_nothing_regenerated(
+        tmp_path, tiny_model, seed):
+    rng = random.Random(seed)
+    kill_at = rng.randint(5, 200)
+    async with fleet_and_front(tmp_path, tiny_model) as (fm, gen, front):
+        golden = await _golden(fm.slots["engine-0"].info.url)
+        base = await _counters(fm)
+        killed: dict = {}
+
+        async with httpx.AsyncClient() as c:
+            async def streamed(i):
+                last = None
+                async for ch in generate_stream(c, front.url, {"input_ids": PROMPTS[i], "sampling_params": GREEDY,
+                                                                "rid": f"s{i}", "return_logprob": True}, 120):
+                    last = ch
+                return last
+
+            def kill(clog, seg):  # at token `kill_at` of request s0, as the front commits it
+                if clog.rid == "s0" and not killed and clog.committed >= kill_at:
+                    slot = fm.slots[seg.engine]
+                    killed.update(url=slot.info.url, seen=clog.committed)
+                    os.kill(slot.info.pid, signal.SIGKILL)
+
+            gen.observers.append(kill)
+
+            async def plain(i):
+                return await generate(c, front.url, {"input_ids": PROMPTS[i], "sampling_params": GREEDY,
+                                                     "rid": f"p{i}", "return_logprob": True}, 120)
+
+            outs = await asyncio.gather(streamed(0), streamed(1), plain(2), plain(3))
+        assert killed, "the kill never happened"
+        for i, out in enumerate(outs):
+            assert out["output_ids"] == golden[i], f"request {i} differs from the fault-free run"
+            assert out["meta_info"]["id"] == (f"s{i}" if i < 2 else f"p{i}")
+            assert out["meta_info"]["finish_reason"] == {"type": "length", "length": N}
+            assert len(out["meta_info"]["output_token_logprobs"]) == N
+        segs0 = outs[0]["meta_info"]["belayer"]["segments"]
+        assert len(segs0) >= 2 and segs0[0]["url"] == killed["url"]
+        assert segs0[1]["start"] >= killed["seen"], "tokens streamed before the kill were generated again"
+        # Engine counters: the survivors generated exactly what the segments on them account for.
+        after = await _counters(fm)
+        on_survivors = {}
+        for out in outs:
+            for sg in out["meta_info"]["belayer"]["segments"]:
+                if sg["url"] != killed["url"]:
+                    on_survivors[sg["url"]] = on_survivors.get(sg["url"], 0) + sg["end"] - sg["start"]
+        assert killed["url"] not in after
+        for url, cnt in after.items():
+            generated = cnt["generated_tokens"] - base.get(url, {}).get("generated_tokens", 0)
+            assert generated == on_survivors.get(url, 0), (url, generated, on_survivors)
+        assert fm.events.find(lambda e: e.kind == "resumed")
+
+
+async def test_a_hung_engine_is_abandoned_after_the_stall_timeout_and_the_request_resumes(tmp_path, tiny_model):
+    async with fleet_and_front(tmp_path, tiny_model, "belayer.recovery.stall_timeout_s=1",
+                               "belayer.monitor.probe_timeout_s=3") as (fm, gen, front):
+        golden = await _golden(fm.slots["engine-1"].info.url)
+        stopped = []
+
+        def hang(clog, seg):
+            if not stopped and clog.committed >= 50:
+                pid = fm.slots[seg.engine].info.pid
+                stopped.append(pid)
+                os.kill(pid, signal.SIGSTOP)
+
+        try:
+            clog, resp = await gen.generate("h0", PROMPTS[0], GREEDY, on_progress=hang)
+        finally:
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        assert resp["output_ids"] == golden[0]
+        assert len(clog.segments) == 2 and clog.segments[1].start >= 50
+
+
+async def test_chunked_mode_resumes_from_the_last_committed_chunk(tmp_path, tiny_model):
+    async with fleet_and_front(tmp_path, tiny_model, "belayer.recovery.mode=chunked",
+                               "belayer.recovery.chunk_tokens=32") as (fm, gen, front):
+        golden = await _golden(fm.slots["engine-0"].info.url)
+        done = []
+
+        def kill_after_third_chunk(clog, seg):
+            if not done and clog.committed >= 96:
+                done.append(clog.committed)
+                os.kill(fm.slots[seg.engine].info.pid, signal.SIGKILL)
+
+        clog, resp = await gen.generate("c0", PROMPTS[1], GREEDY, return_logprob=True, on_progress=kill_after_third_chunk)
+        assert resp["output_ids"] == golden[1]
+        assert clog.segments[1].start == done[0] == 96  # the committed chunks were kept
+        assert all(lp is not None for lp in clog.logprobs)
+
+
+async def test_budget_spent_fails_only_that_request_with_a_typed_error(tmp_path, tiny_model):
+    async with fleet_and_front(tmp_path, tiny_model, "belayer.recovery.max_attempts=1") as (fm, gen, front):
+        async with httpx.AsyncClient() as c:
+            async def victim():
+                chunks = []
+                async for line in (await c.send(c.build_request("POST", f"{front.url}/generate", json={
+                        "input_ids": PROMPTS[0], "sampling_params": GREEDY, "stream": True, "rid": "victim"}),
+                        stream=True)).aiter_lines():
+                    if line.startswith("data:"):
+                        chunks.append(line[5:].strip())
+                        if len(chunks) == 10:
+                            os.kill(fm.slots[json.loads(chunks[-1])["meta_info"]["belayer"]["engine"]].info.pid,
+                                    signal.SIGKILL)
+                return chunks
+
+            other = asyncio.create_task(generate(c, front.url, {"input_ids": PROMPTS[2], "sampling_params": GREEDY}, 120))
+            chunks = await victim()
+            assert "[DONE]" not in chunks
+            err = json.loads(chunks[-1])
+            assert "error" in err and "request victim" in err["error"]["message"]
+            # the other request ran on the other engine (least-loaded placement) and is unaffected
+            assert len((await other)["output_ids"]) == N
+        with pytest.raises(RequestFailedError, match="attempt"):
+            await gen.generate("doomed", PROMPTS[0], GREEDY,
+                               on_progress=lambda clog, seg: clog.committed == 5 and os.kill(
+                                   fm.slots[seg.engine].info.pid, signal.SIGKILL))
+
+
+@pytest.mark.parametrize("body,needle", [
+    (b"{", "not valid JSON"),
+    (json.dumps({"input_ids": "abc"}).encode(), "input_ids"),
+    (json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": "many"}}).encode(), "max_new_tokens"),
+    (json.dumps({"text": "hi", "sampling_params": {"no_such_param": 1}}).encode(), "no_such_param"),
+    (json.dumps({"text": "hi", "stream": "yes"}).encode(), "stream"),
+])
+async def test_front_answers_malformed_bodies_with_400(tmp_path, tiny_model, body, needle):
+    async with fleet_and_front(tmp_path, tiny_model) as (fm, gen, front):
+        async with httpx.AsyncClient() as c:
+            r = await c.post(f"{front.url}/generate", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and needle in r.json()["error"]["message"]
+            ok = await c.post(f"{front.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}})
+            assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
+            assert (await c.get(f"{front.url}/get_model_info")).status_code == 200
+
+
+async def test_sampled_segments_record_their_seed_and_version(tmp_path, tiny_model):
+    async with fleet_and_front(tmp_path, tiny_model) as (fm, gen, front):
+        sp = {"max_new_tokens": 100, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+        killed = []
+
+        def kill(clog, seg):
+            if not killed and clog.committed >= 40:
+                killed.append(clog.committed)
+                os.kill(fm.slots[seg.engine].info.pid, signal.SIGKILL)
+
+        clog, resp = await gen.generate("s", PROMPTS[0], sp, on_progress=kill)
+        assert len(resp["output_ids"]) == 100
+        s0, s1 = clog.segments[0], clog.segments[1]
+        assert s0.seed == 7 and s1.seed == 7 + s1.start
+        assert s0.weight_version == s1.weight_version == "default"
