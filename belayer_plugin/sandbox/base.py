@@ -20,6 +20,7 @@ EventSink = Callable[[dict], None]
 
 # The PATH that imported images get: a rootfs tarball carries no image config.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+EXEC_MARK = "belayer-exec"
 
 
 class SandboxError(Exception):
@@ -253,7 +254,11 @@ class Sandbox:
         t = float(timeout if timeout is not None else self.exec_timeout_s)
         if t <= 0:
             raise ValueError(f"timeout must be > 0, got {t}")
-        argv = ["sh", "-c", command] if isinstance(command, str) else list(command)
+        # $0 = EXEC_MARK tags our exec helpers so leftovers can be found (see reap_exec_helpers).
+        if isinstance(command, str):
+            argv = ["sh", "-c", command, EXEC_MARK]
+        else:
+            argv = ["sh", "-c", 'exec "$@"', EXEC_MARK, *command]
         if self.spec.timeout_program:
             # Kill the command inside the container: killing the exec client would leave it running there.
             argv = [self.spec.timeout_program, "-s", "KILL", str(max(1, int(round(t)))), *argv]
@@ -265,6 +270,29 @@ class Sandbox:
         if self.spec.timeout_program and res.exit_code in (124, 137) and res.duration_s >= t - 0.5:
             res.timed_out = True
         return res
+
+    def reap_exec_helpers(self) -> int:
+        """Kills leftover `timeout` watchers of finished execs; returns how many. Call with `lock` held.
+
+        busybox's timeout forks a watcher that outlives the command by up to a second, reparented to the
+        container's PID 1; a CRIU dump that catches one in a restored container cannot be restored
+        ("Can't restore sub-task in NS"). With the lock held no exec is in flight, so every watcher
+        tagged with EXEC_MARK is a leftover.
+        """
+        n = 0
+        for pid in cgroup_pids(self.container_id):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if len(argv) > 7 and argv[0].endswith(b"timeout") and argv[7] == EXEC_MARK.encode():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    n += 1
+                except ProcessLookupError:
+                    pass
+        return n
 
     def read_file(self, path: str) -> bytes:
         """The content of a file in the container."""

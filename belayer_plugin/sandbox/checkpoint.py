@@ -265,6 +265,7 @@ def full_checkpoint(sandbox: Sandbox, boundary: int, store: CheckpointStore, tra
     with sandbox.lock:
         if not sandbox.alive():
             raise SandboxDead(f"sandbox {sandbox.sandbox_id} is not running; cannot checkpoint")
+        sandbox.reap_exec_helpers()
         staging = store.new_staging(trajectory_id)
         be = sandbox.backend
         try:

@@ -1,0 +1,300 @@
+"""A scripted multi-action trajectory with fail-stop fault injection (used by the tests, the soak and the bench).
+
+Each action i tells an in-container daemon to append `a<i>` to a string it holds ONLY in memory, appends
+a line to /work/log and rewrites /work/f<i%3>. The golden final state after n actions is known, so a
+trial that kills containers at random moments (during actions, checkpoints and restores), optionally
+corrupts a published checkpoint, and recovers through TrajectoryRecorder must end in exactly that state:
+every action's effect applied once, in order, in memory and on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from belayer_plugin.sandbox.base import (
+    Backend,
+    Sandbox,
+    SandboxDead,
+    SandboxError,
+    SandboxSpec,
+    cgroup_pids,
+)
+from belayer_plugin.sandbox.checkpoint import CheckpointStore
+from belayer_plugin.sandbox.policy import CheckpointPolicy
+from belayer_plugin.sandbox.trajectory import TrajectoryRecorder
+
+log = logging.getLogger(__name__)
+
+# The daemon keeps the fifo open read-write so no message is lost between reads, and answers `get`
+# through a second fifo: callers block on events, never poll.
+STATED = r'''mkfifo /tmp/ctl /tmp/reply
+s=""
+exec 3<>/tmp/ctl
+echo ready > /tmp/ready
+while :; do
+  if read -r cmd arg <&3; then
+    case "$cmd" in
+      add) s="$s $arg" ;;
+      get) echo "mem:$s" > /tmp/reply ;;
+    esac
+  fi
+done
+'''
+
+
+def setup_stated(sb: Sandbox) -> None:
+    """Installs and starts the in-memory state daemon; returns once it is listening."""
+    sb.write_file("/opt/stated.sh", STATED, 0o755)
+    r = sb.exec("mkfifo /tmp/ready && (sh /opt/stated.sh </dev/null >/dev/null 2>&1 &) && cat /tmp/ready", timeout=20)
+    if r.exit_code != 0 or r.stdout.strip() != "ready":
+        raise SandboxError(f"state daemon did not start: {r}")
+
+
+def action(i: int) -> dict:
+    """The i-th scripted action (1-based)."""
+    return {"command": f"echo add a{i} > /tmp/ctl && echo a{i} >> /work/log && echo v{i} > /work/f{i % 3}",
+            "timeout": 20}
+
+
+def tokens(b: int) -> list[int]:
+    """The LLM context (token ids) after b actions."""
+    return list(range(7 * b + 3))
+
+
+def messages(b: int) -> list[dict]:
+    return [{"role": "user", "content": "task"}] + [{"role": "assistant", "content": f"action {i}"} for i in range(1, b + 1)]
+
+
+QUERY = "echo get > /tmp/ctl && cat /tmp/reply && echo '--log' && cat /work/log 2>/dev/null; " \
+        "for f in 0 1 2; do echo \"--f$f $(cat /work/f$f 2>/dev/null)\"; done"
+
+
+def query_state(sb: Sandbox) -> str:
+    r = sb.exec(QUERY, timeout=20)
+    if r.exit_code != 0:
+        raise SandboxDead(f"state query failed: {r}")
+    return r.stdout
+
+
+def golden_state(n: int) -> str:
+    mem = "mem:" + "".join(f" a{i}" for i in range(1, n + 1))
+    log_lines = "".join(f"a{i}\n" for i in range(1, n + 1))
+    fs = []
+    for f in range(3):
+        last = max([i for i in range(1, n + 1) if i % 3 == f], default=None)
+        fs.append(f"--f{f} {'v' + str(last) if last else ''}\n")
+    return f"{mem}\n--log\n{log_lines}" + "".join(fs)
+
+
+@dataclass
+class Fault:
+    phase: str  # "exec" | "checkpoint" | "restore"
+    nth: int  # fire on the nth call of that phase (1-based) after arming
+    delay_s: float  # kill the container this long after the call began
+
+
+class FaultyBackend:
+    """Delegates to a real backend and SIGKILLs the real container at planned moments."""
+
+    def __init__(self, inner: Backend, faults: list[Fault]):
+        self.inner = inner
+        self.name = inner.name
+        self.faults = list(faults)
+        self.counts: dict[str, int] = {}
+        self.armed = False
+        self.fired: list[Fault] = []
+        self.seen: set[str] = set()  # every container name/id touched: checked for leftovers at the end
+        self._timers: list[threading.Timer] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
+        for t in self._timers:
+            t.cancel()
+        for t in self._timers:
+            t.join(timeout=30)
+
+    def _hit(self, phase: str, victims: list[str]) -> None:
+        self.seen.update(v for v in victims if v)
+        if not self.armed:
+            return
+        with self._lock:
+            self.counts[phase] = self.counts.get(phase, 0) + 1
+            due = [f for f in self.faults if f.phase == phase and f.nth == self.counts[phase]]
+        for f in due:
+            def fire(f: Fault = f) -> None:
+                if not self.armed:
+                    return
+                self.fired.append(f)
+                for v in victims:
+                    if v:
+                        self.inner.kill(v)
+            t = threading.Timer(f.delay_s, fire)
+            t.daemon = True
+            self._timers.append(t)
+            t.start()
+
+    def run(self, spec: SandboxSpec, name: str) -> str:
+        cid = self.inner.run(spec, name)
+        self.seen.update([name, cid])
+        return cid
+
+    def create(self, spec: SandboxSpec, name: str) -> str:
+        cid = self.inner.create(spec, name)
+        self.seen.update([name, cid])
+        return cid
+
+    def exec(self, cid: str, argv: list[str], *a: Any, **kw: Any):
+        self._hit("exec", [cid])
+        return self.inner.exec(cid, argv, *a, **kw)
+
+    def criu_checkpoint(self, cid: str, spec: SandboxSpec, staging: Path, timeout_s: float, new_name: str):
+        self._hit("checkpoint", [cid, new_name])
+        out = self.inner.criu_checkpoint(cid, spec, staging, timeout_s, new_name)
+        if out[1]:
+            self.seen.add(out[1])
+        return out
+
+    def criu_restore(self, ckdir: Path, spec: SandboxSpec, name: str, timeout_s: float) -> str:
+        self._hit("restore", [name])
+        cid = self.inner.criu_restore(ckdir, spec, name, timeout_s)
+        self.seen.add(cid)
+        return cid
+
+
+@dataclass
+class TrialResult:
+    seed: int
+    violations: list[str]
+    recoveries: int
+    faults_planned: int
+    faults_fired: int
+    corrupted: Optional[str]
+    duration_s: float
+    events: list[dict] = field(default_factory=list)
+
+
+def plan_faults(rng: random.Random, n_actions: int, ck_s: float = 0.5) -> list[Fault]:
+    """1-2 kills: during an action or a checkpoint, sometimes followed by one during the restore."""
+    faults = [Fault(rng.choice(["exec", "exec", "checkpoint"]), rng.randint(1, n_actions), rng.uniform(0.0, 0.15))]
+    if faults[0].phase == "checkpoint":
+        faults[0].delay_s = rng.uniform(0.0, ck_s)
+    if rng.random() < 0.3:
+        faults.append(Fault(rng.choice(["exec", "checkpoint"]), rng.randint(1, n_actions + 2), rng.uniform(0.0, ck_s)))
+    if rng.random() < 0.4:
+        faults.append(Fault("restore", rng.randint(1, 2), rng.uniform(0.0, 0.4)))
+    return faults
+
+
+def _corrupt(path: Path, rng: random.Random) -> str:
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != "MANIFEST.json" and p.stat().st_size > 0)
+    victim = rng.choice(files)
+    with open(victim, "r+b") as f:
+        off = rng.randrange(victim.stat().st_size)
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return str(victim.relative_to(path))
+
+
+def run_trial(backend: Backend, image: str, seed: int, store_root: str | Path, n_actions: int = 5,
+              mode: str = "full", corrupt_prob: float = 0.2, max_steps: int = 60) -> TrialResult:
+    """One randomized fail-stop trial; returns its violations (empty: converged to the golden state)."""
+    rng = random.Random(seed)
+    t0 = time.monotonic()
+    fb = FaultyBackend(backend, plan_faults(rng, n_actions, 0.7 if backend.name == "podman" else 0.35))
+    events: list[dict] = []
+    violations: list[str] = []
+    tid = f"trial-{seed}-{os.getpid()}"
+    corrupt_after = rng.randint(1, n_actions) if rng.random() < corrupt_prob else None
+    corrupted: Optional[str] = None
+    sb = Sandbox.create(fb, SandboxSpec(image=image, memory_mb=128, pids_limit=64), tid, 20.0, events.append)
+    rec: Optional[TrajectoryRecorder] = None
+    policy: Optional[CheckpointPolicy] = None
+    try:
+        setup_stated(sb)
+        store = CheckpointStore(Path(store_root) / "ck", keep=2)
+        rec = TrajectoryRecorder(tid, sb, store, checkpoint_mode=mode, checkpoint_timeout_s=20,
+                                 restore_timeout_s=30, restore_retries=2, setup=setup_stated, on_event=events.append)
+        rec.start(tokens(0), messages(0))
+        policy = CheckpointPolicy(rec.checkpoint, failure_prob=1.0, min_overhead_s=0.0,
+                                  every_n_actions=rng.choice([1, 1, 2]), async_checkpoint=rng.random() < 0.7,
+                                  cooldown_s=0.0, enabled=False, subject=tid, on_event=events.append)
+        fb.arm()
+        steps = 0
+        final = None
+        while True:
+            steps += 1
+            if steps > max_steps:
+                violations.append(f"no convergence after {max_steps} steps")
+                break
+            try:
+                if rec.latest >= n_actions:
+                    fb.disarm()
+                    policy.wait_ready(timeout=60)
+                    final = query_state(rec.sandbox)
+                    break
+                b = rec.latest + 1
+                policy.wait_ready(timeout=60)
+                if corrupt_after is not None and corrupted is None and b - 1 >= corrupt_after:
+                    ck = rec.ready_checkpoint()
+                    if ck is not None:
+                        corrupted = ck.id
+                        events.append({"kind": "test_corrupted", "checkpoint": ck.id, "file": _corrupt(ck.path, rng)})
+                        rec.sandbox.kill()  # make the next action fail so the corrupt checkpoint is met
+                a = action(b)
+                rec.begin_action(a)
+                res = rec.sandbox.exec(a["command"], timeout=a["timeout"])
+                if res.exit_code != 0:
+                    raise SandboxDead(f"action {b} failed: exit {res.exit_code} {res.stderr.strip()[:100]}")
+                rec.commit(tokens(b), messages(b), res.exit_code)
+                policy.note_work(0.1, "generation", action_done=True)
+                policy.maybe_checkpoint_async(rec.latest)
+            except SandboxError as e:
+                policy.wait_ready(timeout=60)
+                rb = rec.recover(f"{type(e).__name__}: {e}")
+                policy.reset()
+                if rb.token_ids != tokens(rb.boundary) or rb.messages != messages(rb.boundary):
+                    violations.append(f"context after rollback to {rb.boundary} does not match that boundary")
+                if rb.boundary > rb.failed_boundary:
+                    violations.append(f"rolled forward: {rb.boundary} > failed {rb.failed_boundary}")
+        if final is not None and final != golden_state(n_actions):
+            violations.append(f"final state differs from golden:\n{final!r}\n!=\n{golden_state(n_actions)!r}")
+        if corrupted:
+            used = [e for e in events if e.get("kind") == "restore" and e.get("checkpoint") == corrupted]
+            if used:
+                violations.append(f"corrupt checkpoint {corrupted} was restored")
+            if not any(e.get("kind") == "checkpoint_corrupt" for e in events):
+                # Legit only if the corrupt one was superseded by a newer checkpoint before any recovery.
+                restores = [e for e in events if e.get("kind") == "rollback"]
+                if restores and restores[0].get("restored_boundary", -1) < int(corrupted[1:7]):
+                    violations.append(f"corrupt checkpoint {corrupted} was not detected")
+    finally:
+        fb.disarm()
+        if policy is not None:
+            policy.close()
+        try:
+            (rec.sandbox if rec else sb).close()
+        except SandboxError:
+            pass
+        for ref in list(fb.seen):
+            fb.inner.remove(ref)
+        for ref in fb.seen:
+            if len(ref) >= 32 and cgroup_pids(ref):
+                violations.append(f"processes of container {ref[:12]} still running after the trial")
+    n_rb = sum(1 for e in events if e.get("kind") == "rollback")
+    return TrialResult(seed, violations, n_rb, len(fb.faults), len(fb.fired), corrupted, time.monotonic() - t0, events)
