@@ -443,6 +443,7 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
         return web.json_response({**server_args, "version": VERSION, "weight_version": eng.weight_version,
                                   "pid": os.getpid(), "memory_released": eng.released, "paused": eng.paused,
                                   "num_running": len(eng.running), "num_pending": len(eng.pending),
+                                  "running_rids": [r.rid for r in eng.running + eng.pending],
                                   "belayer_counters": dict(eng.counters),
                                   "internal_states": [{"weight_version": eng.weight_version}]})
 

@@ -28,6 +28,7 @@ class ContextLog:
     rid: str
     prompt_ids: list[int]
     max_new_tokens: int
+    want_logprobs: bool = True
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[Optional[float]] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)

@@ -117,7 +117,7 @@ class ResumableGenerator:
         """Runs one request to completion; returns its context log and the final SGLang-style response."""
         sp = dict(sampling_params or {})
         max_new = sp.get("max_new_tokens", 128)
-        log = ContextLog(rid, list(input_ids), int(max_new))
+        log = ContextLog(rid, list(input_ids), int(max_new), want_logprobs=return_logprob)
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
                 await self._run(log, sp, on_progress)
@@ -178,7 +178,9 @@ class ResumableGenerator:
         else:
             params.pop("seed", None)
         rid = log.rid if attempt == 0 else f"{log.rid}.r{attempt}"
-        return {"input_ids": log.resume_input_ids(), "sampling_params": params, "return_logprob": True, "rid": rid}
+        return {"input_ids": log.resume_input_ids(), "sampling_params": params, "rid": rid,
+                # Logprobs only when asked: cumulative stream chunks make them cost O(n^2) bytes.
+                "return_logprob": log.want_logprobs}
 
     async def _segment(self, log: ContextLog, seg: Segment, sp: dict, seed: Optional[int],
                        on_progress: Optional[ProgressFn]) -> Optional[dict]:
