@@ -175,6 +175,7 @@ class ShadowConfig:
     handover_timeout_s: float = _req()
     release_memory_when_idle: bool = _req()  # SGLang on GPU: release weights + KV cache while standing by
     shared_weights: bool = _req()  # CPU engine: map weights from a shared-memory holder
+    fault_window_s: float = _req()  # a slot failing again this soon after a handover is excluded
 
     def problems(self) -> list[str]:
         out = []
@@ -182,6 +183,8 @@ class ShadowConfig:
             out.append("num_standby: must be >= 0")
         if self.handover_timeout_s <= 0:
             out.append("handover_timeout_s: must be > 0")
+        if self.fault_window_s < 0:
+            out.append("fault_window_s: must be >= 0")
         return out
 
 

@@ -130,7 +130,8 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=20.0, help="divide NeMo-RL's 60 s/60 s knobs by this")
     args = ap.parse_args()
     trials = args.trials or (2 if args.quick else 5)
-    cfg, _ = load_belayer_config("fleet_demo", ["belayer.restart.backoff_initial_s=0", "belayer.restart.max_restarts=100",
+    cfg, _ = load_belayer_config("fleet_demo", ["belayer.use_fault_tolerance=true", "belayer.shadow.num_standby=0",
+                                                "belayer.restart.backoff_initial_s=0", "belayer.restart.max_restarts=100",
                                                 "belayer.monitor.boot_grace_s=0"])
     model = resolve_model_path(cfg)
     init_ray(cfg.ray)

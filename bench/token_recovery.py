@@ -93,7 +93,8 @@ async def throughput(url: str, n_req: int, n: int, rounds: int) -> float:
 
 
 async def main_async(args) -> None:
-    overrides = [f"belayer.engines.cpu_step_delay_ms={args.step_delay_ms}", "belayer.restart.backoff_initial_s=0",
+    overrides = ["belayer.use_fault_tolerance=true", "belayer.shadow.num_standby=0",
+                 f"belayer.engines.cpu_step_delay_ms={args.step_delay_ms}", "belayer.restart.backoff_initial_s=0",
                  "belayer.restart.max_restarts=100", "belayer.monitor.boot_grace_s=0",
                  "belayer.router.disable_retries=false"]
     cfg, _ = load_belayer_config("fleet_demo", overrides)

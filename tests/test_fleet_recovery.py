@@ -21,7 +21,7 @@ from tests.conftest import belayer_cfg
 
 PROMPT = [54, 280, 487, 423, 442]
 GREEDY = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
-FAST = ["belayer.monitor.probe_interval_s=0.2", "belayer.monitor.probe_timeout_s=0.5",
+FAST = ["belayer.use_fault_tolerance=true", "belayer.shadow.num_standby=0", "belayer.monitor.probe_interval_s=0.2", "belayer.monitor.probe_timeout_s=0.5",
         "belayer.monitor.failure_threshold=2", "belayer.monitor.boot_grace_s=0",
         "belayer.monitor.liveness_timeout_s=1", "belayer.restart.backoff_initial_s=0",
         "belayer.restart.backoff_max_s=0", "belayer.router.membership_timeout_s=5"]

@@ -47,6 +47,8 @@ GREEDY = {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}
 SGLANG = [
     "belayer.engines.kind=sglang",
     "belayer.engines.startup_timeout_s=180",
+    "belayer.use_fault_tolerance=true",
+    "belayer.shadow.num_standby=0",
     "belayer.monitor.probe_interval_s=1",
     "belayer.monitor.probe_timeout_s=5",  # /health_generate takes >= 1 s on CPU, more while others start
     "belayer.monitor.failure_threshold=2",
@@ -168,6 +170,9 @@ def _kill_group(sg, slot_id: str, seen: int) -> None:
     info = sg.fm.slots[slot_id].info
     procs = _engine_processes(info.pid)
     assert len(procs) >= 3, f"expected the server and its scheduler and detokenizer: {procs}"
+    # The fleet fences with killpg: a child in another group would outlive a hung (SIGSTOPped) leader.
+    groups = {p.pid: os.getpgid(p.pid) for p in procs}
+    assert set(groups.values()) == {info.pid}, f"SGLang processes outside the server's process group: {groups}"
     sg.killed.update(slot=slot_id, url=info.url, pid=info.pid, procs=procs, seen=seen, t=time.time(),
                      info=info)
     os.killpg(info.pid, signal.SIGKILL)

@@ -162,9 +162,14 @@ class Engine:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from belayer_plugin.engines import shared_weights
+
         if self.tokenizer is None:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if shared_weights.is_shared(path):
+            model = shared_weights.load_model(path)  # mapped from the holder's shared memory, not copied
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.eval()
         self.model = model
 

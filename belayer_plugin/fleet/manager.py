@@ -24,8 +24,9 @@ from belayer_plugin.events import EventLog
 from belayer_plugin.fleet.health import EngineHealth, Signal, State
 from belayer_plugin.fleet.launch import resolve_model_path
 from belayer_plugin.fleet.monitor import HealthMonitor
-from belayer_plugin.fleet.policy import FleetBelowFloorError, RestartPolicy
+from belayer_plugin.fleet.policy import Decision, FleetBelowFloorError, RestartPolicy
 from belayer_plugin.fleet.router import Router, RouterError
+from belayer_plugin.fleet.shadow import Shadow, ShadowPool
 
 log = logging.getLogger("belayer.fleet")
 
@@ -58,6 +59,8 @@ class Slot:
     recovery: Optional[asyncio.Task] = None
     fault_t: Optional[float] = None  # when the current fault was first observed (for detection figures)
     served_version: str = ""
+    handover_t: Optional[float] = None  # when a shadow last took this slot over (monotonic)
+    excluded: str = ""  # why the slot is excluded for good (suspected hardware fault)
 
 
 @dataclass
@@ -75,6 +78,11 @@ class FleetManager:
         self.run_dir = Path(run_dir)
         self.events = events or EventLog(self.run_dir / "events.jsonl")
         self.model_path = model_path or resolve_model_path(cfg)
+        self.engine_model_path = self.model_path  # the shared-memory copy when shadow.shared_weights
+        self.ft = cfg.use_fault_tolerance  # off: engines run, but nothing watches, restarts or hands over
+        self.excluded_nodes: set[str] = set()
+        self.holder: Any = None
+        self.shadows: Optional[ShadowPool] = None
         self.slots: dict[str, Slot] = {}
         self.weights = Weights()
         self.phase = Phase.SERVING
@@ -91,12 +99,28 @@ class FleetManager:
         if self.cfg.router.mode == "sglang_router":
             self.router = Router(self.cfg.router, self.run_dir)
             await self.router.start()
+        if self.cfg.shadow.shared_weights and self.cfg.engines.kind == "cpu":
+            await self._start_holder()
         for i in range(self.cfg.engines.num_engines):
             sid = f"engine-{i}"
             self.slots[sid] = Slot(sid, EngineHealth(sid, self.cfg.monitor.failure_threshold, since=time.monotonic()))
-        await asyncio.gather(*(self._bring_up(s) for s in self.slots.values()))
-        self.monitor.resume()
+        ups = [self._bring_up(s) for s in self.slots.values()]
+        if self.ft and self.cfg.shadow.num_standby > 0:
+            self.shadows = ShadowPool(self)
+            ups.append(self.shadows.start())
+        await asyncio.gather(*ups)
+        if self.ft:
+            self.monitor.resume()
         self._raise_if_fatal()
+
+    async def _start_holder(self) -> None:
+        """CPU engines map the weights from one shared-memory copy owned by a holder actor."""
+        import ray
+
+        from belayer_plugin.engines.shared_weights import WeightsHolder
+
+        self.holder = ray.remote(WeightsHolder).options(num_cpus=0, max_restarts=0).remote()
+        self.engine_model_path = await self.holder.publish.remote(self.model_path, "base")
 
     async def shutdown(self) -> None:
         """Stops the monitor, every engine and the router; safe with recoveries and probes in flight."""
@@ -104,6 +128,8 @@ class FleetManager:
 
         self._closing = True
         await self.monitor.stop()
+        if self.shadows is not None:
+            await self.shadows.shutdown()
         tasks = [s.recovery for s in self.slots.values() if s.recovery and not s.recovery.done()]
         for t in tasks:
             t.cancel()
@@ -118,6 +144,12 @@ class FleetManager:
                 ray.kill(s.actor, no_restart=True)
         if self.router is not None:
             await self.router.aclose()
+        if self.holder is not None:
+            try:
+                await asyncio.wait_for(self.holder.release.remote(), 10)
+            except Exception:
+                pass
+            ray.kill(self.holder, no_restart=True)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -192,12 +224,18 @@ class FleetManager:
         if tr.to_state is State.HEALTHY:
             s.fault_t = None
         if tr.to_state is State.DEAD:
+            if s.handover_t is not None and now - s.handover_t < self.cfg.shadow.fault_window_s:
+                # The shadow died soon after taking over the same slot: suspect the node, not the engine.
+                s.excluded = (f"failed again {now - s.handover_t:.1f} s after a handover "
+                              f"(shadow.fault_window_s={self.cfg.shadow.fault_window_s:g}): suspected hardware fault")
+                if s.info is not None:
+                    self.excluded_nodes.add(s.info.node_id)
             first_seen = s.fault_t or time.time()
             self.events.emit("monitor", slot_id, "detected", reason, level="warning", signal=sig.value,
                              incarnation=incarnation, phase=self.phase.value,
                              latency_from_first_symptom_s=round(time.time() - first_seen, 4))
             s.fault_t = None
-            if s.recovery is None or s.recovery.done():
+            if self.ft and (s.recovery is None or s.recovery.done()):
                 s.recovery = asyncio.create_task(self._recover(s), name=f"recover-{slot_id}")
         await self._notify()
 
@@ -252,7 +290,7 @@ class FleetManager:
         from belayer_plugin.engines.actor import EngineStartError
 
         cls = remote_engine_actor(self.cfg.engines)
-        s.actor = cls.remote(s.slot_id, self.cfg.engines, self.model_path, str(self.run_dir / "engines"))
+        s.actor = cls.remote(s.slot_id, self.cfg.engines, self.engine_model_path, str(self.run_dir / "engines"))
         try:
             s.info = await s.actor.start.remote()
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, EngineStartError) as e:
@@ -261,7 +299,8 @@ class FleetManager:
             await self._on_signal(s.slot_id, Signal.LIVENESS_LOST, s.health.incarnation, f"start failed: {type(cause).__name__}")
             return
         s.served_version = s.info.weight_version
-        self.monitor.watch(s.slot_id, s.health.incarnation, s.actor, s.info.url)
+        if self.ft:
+            self.monitor.watch(s.slot_id, s.health.incarnation, s.actor, s.info.url)
         await self._apply(s, Signal.STARTED, f"pid {s.info.pid} at {s.info.url} in {s.info.started_s:.2f} s")
         await self._make_current(s)
 
@@ -286,7 +325,7 @@ class FleetManager:
 
     async def _update_weights(self, s: Slot, want: Weights) -> bool:
         """Loads `want` into the engine and checks the version it then reports; False if it failed."""
-        path = want.path or self.model_path
+        path = want.path or self.engine_model_path
         try:
             r = await s.actor.call.remote("POST", "/update_weights_from_disk",
                                           {"model_path": path, "weight_version": want.version}, 600.0)
@@ -321,6 +360,8 @@ class FleetManager:
                 self.events.emit("fleet", s.slot_id, "killed", "fenced before restart", incarnation=s.health.incarnation)
                 now = time.monotonic()
                 decision = self.policy.decide(s.slot_id, now)
+                if s.excluded:
+                    decision = Decision("retire", 0.0, decision.restarts_in_window, s.excluded)
                 if decision.action == "retire":
                     await self._apply(s, Signal.RETIRE, decision.reason)
                     s.actor, s.info = None, None
@@ -332,6 +373,11 @@ class FleetManager:
                                          usable=e.usable, floor=e.floor)
                         await self._notify()
                     return
+                shadow = self.shadows.take() if self.shadows is not None else None
+                if shadow is not None:
+                    self.policy.record_restart(s.slot_id, time.monotonic())  # a handover spends budget too
+                    if await self._handover(s, shadow):
+                        continue
                 if decision.delay_s > 0:
                     self.events.emit("restart", s.slot_id, "backoff", decision.reason, delay_s=decision.delay_s)
                     await asyncio.sleep(decision.delay_s)  # the backoff itself
@@ -348,6 +394,46 @@ class FleetManager:
         except Exception as e:  # never leave a slot silently stuck
             log.exception("recovery of %s failed", s.slot_id)
             self.events.emit("fleet", s.slot_id, "recovery_error", f"{type(e).__name__}: {e}", level="error")
+
+    async def _handover(self, s: Slot, sh: Shadow) -> bool:
+        """A standby takes the dead engine's slot: checked, made current, registered; False if it failed."""
+        t0 = time.monotonic()
+        want = self.weights
+        try:
+            async with asyncio.timeout(self.cfg.shadow.handover_timeout_s):
+                await sh.actor.ping.remote()
+                if sh.memory_released:
+                    r = await sh.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
+                    if r["status"] != 200:
+                        raise RuntimeError(f"resume_memory_occupation: HTTP {r['status']}")
+                version = await sh.actor.weight_version.remote()  # a cheap readiness check with the version
+                if version != want.version and not await self._update_weights_actor(sh.actor, want):
+                    raise RuntimeError(f"could not bring the standby from {version} to {want.version}")
+                await sh.actor.call.remote("POST", "/flush_cache", None)
+        except Exception as e:
+            self.events.emit("shadow", s.slot_id, "handover_failed", f"{sh.sid}: {type(e).__name__}: {e}"[:300],
+                             level="warning", shadow=sh.sid)
+            ShadowPool._kill(sh.actor)
+            if self.shadows is not None:
+                self.shadows.replenish()
+            return False
+        await self._apply(s, Signal.RESTART_BEGUN, f"handover to {sh.sid}")
+        s.actor, s.info, s.served_version = sh.actor, sh.info, want.version
+        self.monitor.watch(s.slot_id, s.health.incarnation, s.actor, s.info.url)
+        await self._apply(s, Signal.STARTED, f"{sh.sid} at {sh.info.url}")
+        await self._make_current(s)
+        s.handover_t = time.monotonic()
+        self.events.emit("shadow", s.slot_id, "handover", f"{sh.sid} took over the slot", shadow=sh.sid,
+                         took_s=round(time.monotonic() - t0, 4), state=s.health.state.value, version=want.version)
+        if self.shadows is not None:
+            self.shadows.replenish()
+        return True
+
+    async def _update_weights_actor(self, actor: Any, want: Weights) -> bool:
+        r = await actor.call.remote("POST", "/update_weights_from_disk",
+                                    {"model_path": want.path or self.engine_model_path, "weight_version": want.version},
+                                    600.0)
+        return r["status"] == 200 and await actor.weight_version.remote() == want.version
 
     # ----------------------------------------------------------------- trainer lifecycle
     async def pause(self, release_memory: bool = False) -> None:
@@ -391,10 +477,15 @@ class FleetManager:
         prev = self.phase
         self.phase = Phase.REFIT
         self.monitor.pause()
+        if self.holder is not None:
+            weights_path = await self.holder.publish.remote(weights_path, version)
         self.weights = Weights(version, weights_path)  # first: restarts racing with us pick it up
         self.events.emit("fleet", "fleet", "refit_begin", f"to {version}", version=version)
         targets = [s for s in self.slots.values() if s.health.state in (State.HEALTHY, State.SUSPECT)]
-        results = await asyncio.gather(*(self._update_weights(s, self.weights) for s in targets))
+        results_and_shadows = await asyncio.gather(
+            asyncio.gather(*(self._update_weights(s, self.weights) for s in targets)),
+            self.shadows.refit(self.weights) if self.shadows is not None else asyncio.sleep(0))
+        results = results_and_shadows[0]
         bad = []
         for s, ok in zip(targets, results):
             if not ok and s.health.state in (State.HEALTHY, State.SUSPECT):

@@ -1,0 +1,128 @@
+"""Model weights in shared memory, mapped by every CPU engine (main and shadow) without copying.
+
+A holder publishes a model directory once into /dev/shm: the tensors back to back in one file plus an
+index, beside the model's small config and tokenizer files. Engines map that file copy-on-write and build
+their parameters on top of it, so N engines hold one copy of the weights: a standing-by shadow costs its
+process overhead, not another copy of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+MARKER = "belayer_shm.json"
+_ALIGN = 64
+_SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "belayer_tiny.json")
+
+
+def is_shared(path: str | Path) -> bool:
+    """Whether `path` is a published shared-memory model directory."""
+    return (Path(path) / MARKER).exists()
+
+
+def publish(model_dir: str | Path, root: str | Path = "/dev/shm", tag: Optional[str] = None) -> Path:
+    """Copies a model directory's tensors into one shared-memory file; returns the published directory.
+
+    Published atomically: the directory appears under its final name only once complete.
+    """
+    from safetensors import safe_open
+
+    src = Path(model_dir)
+    final = Path(root) / f"belayer-weights-{tag or uuid.uuid4().hex[:12]}"
+    if is_shared(final):
+        return final
+    tmp = Path(root) / f".{final.name}.{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        index: dict[str, Any] = {}
+        offset = 0
+        with open(tmp / "weights.bin", "wb") as out:
+            for f in sorted(src.glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as st:
+                    for name in st.keys():
+                        t = st.get_tensor(name).contiguous()
+                        pad = (-offset) % _ALIGN
+                        out.write(b"\0" * pad)
+                        offset += pad
+                        data = t.view(-1).view(__import__("torch").uint8).numpy().tobytes()
+                        out.write(data)
+                        index[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                                       "offset": offset, "nbytes": len(data)}
+                        offset += len(data)
+        for name in _SMALL_FILES:
+            if (src / name).exists():
+                shutil.copy2(src / name, tmp / name)
+        (tmp / "index.json").write_text(json.dumps(index))
+        (tmp / MARKER).write_text(json.dumps({"source": str(src), "bytes": offset}))
+        try:
+            tmp.rename(final)
+        except OSError:  # published meanwhile by someone else: theirs is as good
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def unpublish(path: str | Path) -> None:
+    """Removes a published directory (engines that mapped it keep their mapping until they exit)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def load_model(path: str | Path) -> Any:
+    """A causal LM whose parameters live in the published shared-memory file (zero copy)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    p = Path(path)
+    index = json.loads((p / "index.json").read_text())
+    fd = os.open(p / "weights.bin", os.O_RDONLY)
+    try:
+        # Copy-on-write: pages stay shared with every other engine as long as nobody writes them.
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    state = {}
+    for name, meta in index.items():
+        dtype = getattr(torch, meta["dtype"])
+        count = meta["nbytes"] // torch.empty((), dtype=dtype).element_size()
+        state[name] = torch.frombuffer(mm, dtype=dtype, count=count, offset=meta["offset"]).view(meta["shape"])
+    config = AutoConfig.from_pretrained(p)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    still = [m for m in missing if not m.endswith("lm_head.weight")]
+    if still or unexpected:
+        raise ValueError(f"shared weights do not match the model: missing {still[:5]}, unexpected {unexpected[:5]}")
+    model._belayer_mmap = mm  # keep the mapping alive as long as the model
+    model.eval()
+    return model
+
+
+class WeightsHolder:
+    """Owns published shared-memory weights for a fleet (run it as a Ray actor or in-process)."""
+
+    def __init__(self, root: str = "/dev/shm", run_tag: Optional[str] = None):
+        self.root = root
+        self.run_tag = run_tag or uuid.uuid4().hex[:8]
+        self.published: dict[str, str] = {}
+
+    def publish(self, model_dir: str, version: str) -> str:
+        """Publishes `model_dir` as `version` (once); returns the directory engines load from."""
+        if version not in self.published:
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in version)
+            self.published[version] = str(publish(model_dir, self.root, f"{self.run_tag}-{safe}"))
+        return self.published[version]
+
+    def release(self, keep: Optional[list[str]] = None) -> None:
+        """Drops every published version except `keep`."""
+        for v in list(self.published):
+            if keep is None or v not in keep:
+                unpublish(self.published.pop(v))

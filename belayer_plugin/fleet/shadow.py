@@ -1,0 +1,191 @@
+"""The shadow pool: fully initialised standby engines that take over a dead engine's slot at once.
+
+Standbys are never registered with the router while standing by. They are kept at the fleet's weight
+version (updated at each refit, or brought up to date at handover: `shadow.keep_warm`), and on SGLang with
+`release_memory_when_idle` they hold no GPU memory until handover (unverified on this CPU machine). A
+standby that dies is replaced in the background under its own restart budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from belayer_plugin.engines.actor import EngineInfo, remote_engine_actor
+from belayer_plugin.fleet.policy import RestartPolicy
+
+if TYPE_CHECKING:
+    from belayer_plugin.fleet.manager import FleetManager
+
+_POOL = "shadow-pool"
+
+
+@dataclass
+class Shadow:
+    sid: str
+    actor: Any
+    info: EngineInfo
+    version: str
+    memory_released: bool = False
+    watcher: Optional[asyncio.Task] = None
+
+
+class ShadowPool:
+    """Keeps `shadow.num_standby` standby engines ready for handover."""
+
+    def __init__(self, fleet: "FleetManager"):
+        self.fleet = fleet
+        self.cfg = fleet.cfg.shadow
+        self.ready: list[Shadow] = []
+        self.policy = RestartPolicy(fleet.cfg.restart)
+        self._count = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._closing = False
+
+    @property
+    def target(self) -> int:
+        return self.cfg.num_standby
+
+    async def start(self) -> None:
+        """Brings up every standby (the fleet's start waits for them: a handover needs one ready)."""
+        await asyncio.gather(*(self._add() for _ in range(self.target)))
+
+    def _options(self) -> dict:
+        if self.cfg.placement == "spread":
+            return {"scheduling_strategy": "SPREAD"}
+        return {}
+
+    async def _add(self) -> Optional[Shadow]:
+        """Starts one standby, brings it to the current version, parks it (memory released if configured)."""
+        fm = self.fleet
+        sid = f"shadow-{self._count}"
+        self._count += 1
+        t0 = time.monotonic()
+        cls = remote_engine_actor(fm.cfg.engines, **self._options())
+        actor = cls.remote(sid, fm.cfg.engines, fm.engine_model_path, str(fm.run_dir / "engines"),
+                           fm.weights.version if fm.weights.path is None else "default")
+        try:
+            info = await actor.start.remote()
+            if info.node_id in fm.excluded_nodes:
+                raise RuntimeError(f"placed on excluded node {info.node_id}")
+            version = info.weight_version
+            if version != fm.weights.version:
+                version = await self._update(actor, fm.weights)
+            released = False
+            if self.cfg.release_memory_when_idle and fm.cfg.engines.kind == "sglang":
+                # GPU: a standby holds neither weights nor KV cache (unverified here: no-op on CPU SGLang)
+                await actor.call.remote("POST", "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+                released = True
+        except Exception as e:
+            self._kill(actor)
+            fm.events.emit("shadow", sid, "shadow_failed", f"{type(e).__name__}: {e}"[:300], level="warning")
+            return None
+        sh = Shadow(sid, actor, info, version, released)
+        sh.watcher = asyncio.create_task(self._watch(sh), name=f"watch-{sid}")
+        self.ready.append(sh)
+        fm.events.emit("shadow", sid, "shadow_ready", f"standing by at {info.url}", version=version,
+                       took_s=round(time.monotonic() - t0, 3), pool=len(self.ready))
+        return sh
+
+    async def _update(self, actor: Any, weights: Any) -> str:
+        path = weights.path or self.fleet.engine_model_path
+        r = await actor.call.remote("POST", "/update_weights_from_disk",
+                                    {"model_path": path, "weight_version": weights.version}, 600.0)
+        version = await actor.weight_version.remote()
+        if r["status"] != 200 or version != weights.version:
+            raise RuntimeError(f"standby reports {version} after refit to {weights.version}")
+        return version
+
+    async def _watch(self, sh: Shadow) -> None:
+        """Ray liveness for a standby: a dead one leaves the pool and is replaced."""
+        try:
+            code = await sh.actor.wait_exit.remote()
+            reason = f"server exited with {code}"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            reason = f"actor died: {type(e).__name__}"
+        if sh in self.ready:
+            self.ready.remove(sh)
+            self._kill(sh.actor)
+            self.fleet.events.emit("shadow", sh.sid, "shadow_lost", reason, level="warning", pool=len(self.ready))
+            self.replenish()
+
+    def take(self) -> Optional[Shadow]:
+        """Removes and returns a standby for handover (None when the pool is empty)."""
+        while self.ready:
+            sh = self.ready.pop(0)
+            if sh.watcher is not None:
+                sh.watcher.cancel()
+            if sh.info.node_id not in self.fleet.excluded_nodes:
+                return sh
+            self._kill(sh.actor)
+        return None
+
+    def replenish(self) -> None:
+        """Starts a replacement standby in the background, under the pool's restart budget."""
+        if self._closing:
+            return
+        t = asyncio.create_task(self._replenish(), name="shadow-replenish")
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _replenish(self) -> None:
+        while not self._closing and len(self.ready) < self.target:
+            d = self.policy.decide(_POOL, time.monotonic())
+            if d.action == "retire":
+                self.fleet.events.emit("shadow", _POOL, "shadow_budget_spent", d.reason, level="warning")
+                return
+            if d.delay_s:
+                await asyncio.sleep(d.delay_s)  # the backoff itself
+            self.policy.record_restart(_POOL, time.monotonic())
+            await self._add()
+
+    async def refit(self, weights: Any) -> None:
+        """keep_warm=refit: every standby loads the new version now (a failing one is replaced)."""
+        if self.cfg.keep_warm != "refit":
+            return
+
+        async def one(sh: Shadow) -> None:
+            try:
+                if sh.memory_released:
+                    await sh.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
+                sh.version = await self._update(sh.actor, weights)
+                if sh.memory_released:
+                    await sh.actor.call.remote("POST", "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+            except Exception as e:
+                if sh in self.ready:
+                    self.ready.remove(sh)
+                    if sh.watcher is not None:
+                        sh.watcher.cancel()
+                    self._kill(sh.actor)
+                    self.fleet.events.emit("shadow", sh.sid, "shadow_lost", f"refit failed: {e}"[:300],
+                                           level="warning")
+                    self.replenish()
+
+        await asyncio.gather(*(one(sh) for sh in list(self.ready)))
+
+    @staticmethod
+    def _kill(actor: Any) -> None:
+        import ray
+
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            pass
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        for t in list(self._tasks):
+            t.cancel()
+        for sh in self.ready:
+            if sh.watcher is not None:
+                sh.watcher.cancel()
+            try:
+                await asyncio.wait_for(sh.actor.stop.remote(), self.fleet.cfg.engines.shutdown_timeout_s * 2)
+            except Exception:
+                pass
+            self._kill(sh.actor)
+        self.ready.clear()

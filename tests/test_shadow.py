@@ -1,0 +1,136 @@
+"""Shadow-engine handover with real Ray actors and real kills under load."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from belayer_plugin.events import EventLog
+from belayer_plugin.fleet.manager import FleetManager
+from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
+from belayer_plugin.generation.sglang_http import generate, get_json
+from tests.conftest import belayer_cfg
+from tests.test_fleet_recovery import FAST
+
+PROMPTS = [[54, 280, 487, 423, 442], [60, 61, 62], [100, 200, 300, 400]]
+N = 200
+GREEDY = {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}
+SHADOW = [*FAST, "belayer.shadow.num_standby=1", "belayer.engines.cpu_step_delay_ms=2",
+          "belayer.recovery.stall_timeout_s=5"]
+
+
+@contextlib.asynccontextmanager
+async def fleet(tmp_path, tiny_model, *overrides):
+    cfg = belayer_cfg(*SHADOW, *overrides)
+    fm = FleetManager(cfg, tmp_path, EventLog(tmp_path / "events.jsonl"), model_path=tiny_model)
+    try:
+        await fm.start()
+        yield fm
+    finally:
+        await fm.shutdown()
+
+
+def ev(kind, subject=None):
+    return lambda e: e.kind == kind and (subject is None or e.subject == subject)
+
+
+async def test_shadow_takes_over_within_a_second_under_load_and_is_replaced(tmp_path, tiny_model):
+    async with fleet(tmp_path, tiny_model) as fm:
+        assert len(fm.shadows.ready) == 1
+        shadow = fm.shadows.ready[0]
+        assert shadow.info.url not in await fm.router.worker_urls(), "a standby must not be routable"
+        gen = ResumableGenerator(FleetSelector(fm), fm.cfg.recovery, fm.events)
+        async with httpx.AsyncClient() as c:
+            golden = [(await generate(c, fm.slots["engine-1"].info.url, {"input_ids": p, "sampling_params": GREEDY},
+                                      60))["output_ids"] for p in PROMPTS]
+        killed = []
+
+        def kill(clog, seg):
+            if not killed and seg.engine == "engine-0" and clog.committed >= 30:
+                killed.append(time.time())
+                os.kill(fm.slots["engine-0"].info.pid, signal.SIGKILL)
+
+        gen.observers.append(kill)
+        outs = await asyncio.gather(*(gen.generate(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)))
+        assert killed
+        assert [o[1]["output_ids"] for o in outs] == golden, "a request was lost or changed by the handover"
+        ho = await fm.events.wait_for(ev("handover", "engine-0"), 10, since=killed[0])
+        det = fm.events.find(lambda e: e.kind == "detected" and e.subject == "engine-0" and e.t >= killed[0])[0]
+        reg = await fm.events.wait_for(ev("registered", "engine-0"), 10, since=killed[0])
+        assert ho.figures["took_s"] <= 1.0
+        assert reg.t - det.t <= 1.0, f"detected -> registered took {reg.t - det.t:.3f} s"
+        assert fm.slots["engine-0"].info.url == shadow.info.url
+        assert shadow.info.url in await fm.router.worker_urls()
+        await fm.events.wait_for(lambda e: e.kind == "shadow_ready" and e.subject != shadow.sid, 60, since=killed[0])
+        assert len(fm.shadows.ready) == 1 and fm.shadows.ready[0].sid != shadow.sid
+
+
+async def test_stale_shadow_is_brought_to_the_current_version_before_it_is_registered(tmp_path, tiny_model):
+    async with fleet(tmp_path, tiny_model, "belayer.shadow.keep_warm=on_handover") as fm:
+        await fm.refit(tiny_model, "v1")
+        sh = fm.shadows.ready[0]
+        assert await sh.actor.weight_version.remote() == "default"  # on_handover: left behind at refit
+        t0 = time.time()
+        os.kill(fm.slots["engine-1"].info.pid, signal.SIGKILL)
+        reg = await fm.events.wait_for(ev("registered", "engine-1"), 20, since=t0)
+        assert reg.figures["version"] == "v1"
+        assert await sh.actor.weight_version.remote() == "v1"
+        episode = [e for e in fm.events.events if e.t >= t0 and e.subject == "engine-1"]
+        kinds = [e.to_state or e.kind for e in episode]
+        assert kinds.index("HEALTHY") < kinds.index("registered")
+
+
+async def test_keep_warm_refit_updates_standbys_at_each_refit(tmp_path, tiny_model):
+    async with fleet(tmp_path, tiny_model, "belayer.shadow.keep_warm=refit") as fm:
+        await fm.refit(tiny_model, "v7")
+        assert [await sh.actor.weight_version.remote() for sh in fm.shadows.ready] == ["v7"]
+
+
+async def test_repeated_failure_on_one_slot_excludes_it_and_requests_move_on(tmp_path, tiny_model):
+    async with fleet(tmp_path, tiny_model, "belayer.shadow.fault_window_s=60",
+                     "belayer.restart.min_healthy_engines=1") as fm:
+        gen = ResumableGenerator(FleetSelector(fm), fm.cfg.recovery, fm.events)
+        t0 = time.time()
+        os.kill(fm.slots["engine-0"].info.pid, signal.SIGKILL)
+        await fm.events.wait_for(ev("handover", "engine-0"), 10, since=t0)
+        task = asyncio.create_task(gen.generate("moving", PROMPTS[0], GREEDY))
+        # The shadow that took over dies too, within the fault window: the slot is excluded.
+        await asyncio.sleep(0)
+        os.kill(fm.slots["engine-0"].info.pid, signal.SIGKILL)
+        ret = await fm.events.wait_for(lambda e: e.subject == "engine-0" and e.to_state == "RETIRED", 10, since=t0)
+        assert "suspected hardware fault" in ret.reason
+        clog, resp = await task
+        assert len(resp["output_ids"]) == N
+        assert clog.segments[-1].engine == "engine-1"
+        assert fm.states()["engine-0"] == "RETIRED" and fm.states()["engine-1"] == "HEALTHY"
+
+
+async def test_a_dead_standby_is_replaced_in_the_background(tmp_path, tiny_model):
+    async with fleet(tmp_path, tiny_model) as fm:
+        sh = fm.shadows.ready[0]
+        t0 = time.time()
+        os.kill(sh.info.pid, signal.SIGKILL)
+        await fm.events.wait_for(ev("shadow_lost", sh.sid), 10, since=t0)
+        await fm.events.wait_for(lambda e: e.kind == "shadow_ready" and e.subject != sh.sid, 60, since=t0)
+        assert [s.sid for s in fm.shadows.ready] != [sh.sid]
+
+
+async def test_cpu_engines_map_one_shared_memory_copy_of_the_weights(tmp_path, tiny_model):
+    async with fleet(tmp_path, tiny_model) as fm:
+        shm = Path(fm.engine_model_path)
+        assert str(shm).startswith("/dev/shm/") and (shm / "weights.bin").exists()
+        async with httpx.AsyncClient() as c:
+            for s in [*fm.slots.values()]:
+                info = await get_json(c, s.info.url, "/get_server_info", 5)
+                maps = Path(f"/proc/{s.info.pid}/maps").read_text()
+                assert str(shm / "weights.bin") in maps, "engine did not map the shared weights"
+            sh = fm.shadows.ready[0]
+            assert str(shm / "weights.bin") in Path(f"/proc/{sh.info.pid}/maps").read_text()
+    assert not shm.exists(), "the holder must remove its shared memory at shutdown"
