@@ -95,12 +95,23 @@ def load_model(path: str | Path) -> Any:
         count = meta["nbytes"] // torch.empty((), dtype=dtype).element_size()
         state[name] = torch.frombuffer(mm, dtype=dtype, count=count, offset=meta["offset"]).view(meta["shape"])
     config = AutoConfig.from_pretrained(p)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Built on the meta device: initialising real random weights first would cost a private copy of the
+    # model that the allocator keeps after they are replaced.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     still = [m for m in missing if not m.endswith("lm_head.weight")]
     if still or unexpected:
         raise ValueError(f"shared weights do not match the model: missing {still[:5]}, unexpected {unexpected[:5]}")
+    # Non-persistent buffers (e.g. rotary inv_freq) are not in the file: rebuild their modules on the CPU.
+    for name, mod in list(model.named_modules()):
+        if any(b.is_meta for b in mod.buffers(recurse=False)):
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, name.rsplit(".", 1)[-1], type(mod)(config=config))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"shared weights left tensors uninitialised: {left[:5]}")
     model._belayer_mmap = mm  # keep the mapping alive as long as the model
     model.eval()
     return model
