@@ -245,7 +245,8 @@ async def test_killed_engine_is_detected_deregistered_fenced_replaced_refit_to_v
 
     det = await events.wait_for(ev("detected", sid), 10, since=t0)
     assert det.t - t0 < 2.0, f"detection took {det.t - t0:.3f} s"
-    assert det.figures["signal"] == "liveness_lost"
+    # Ray liveness (the server's exit) or refused probes, whichever lands first: both are immediate.
+    assert det.figures["signal"] in ("liveness_lost", "probe_failed"), det
     left = await _until_gone(k["procs"], 15)
     assert not left, f"processes of the killed SGLang engine still run: {left}"
 
