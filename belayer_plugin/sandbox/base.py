@@ -21,6 +21,7 @@ EventSink = Callable[[dict], None]
 # The PATH that imported images get: a rootfs tarball carries no image config.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 EXEC_MARK = "belayer-exec"
+EXEC_TAG_VAR = "BELAYER_EXEC_ID"
 
 
 class SandboxError(Exception):
@@ -177,6 +178,21 @@ def cgroup_pids(container_id: str) -> list[int]:
     return pids
 
 
+def kill_tagged(container_id: str, tag: str) -> int:
+    """SIGKILLs the container's processes whose environment carries EXEC_TAG_VAR=tag; returns how many."""
+    want = f"{EXEC_TAG_VAR}={tag}".encode()
+    n = 0
+    for pid in cgroup_pids(container_id):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    os.kill(pid, signal.SIGKILL)
+                    n += 1
+        except (OSError, ProcessLookupError):
+            continue
+    return n
+
+
 def kill_cgroup_leftovers(container_id: str, timeout_s: float = 5.0) -> int:
     """SIGKILLs every process still in the container's cgroup; returns how many were found.
 
@@ -262,8 +278,13 @@ class Sandbox:
         if self.spec.timeout_program:
             # Kill the command inside the container: killing the exec client would leave it running there.
             argv = [self.spec.timeout_program, "-s", "KILL", str(max(1, int(round(t)))), *argv]
+        # Every process of this command inherits the tag, so a timeout can kill all of them (busybox's
+        # timeout kills only the direct child; a background grandchild would keep running).
+        tag = uuid.uuid4().hex[:16]
         with self.lock:
-            res = self.backend.exec(self.container_id, argv, t + 10.0, cwd, env or {}, stdin)
+            res = self.backend.exec(self.container_id, argv, t + 10.0, cwd, {**(env or {}), EXEC_TAG_VAR: tag}, stdin)
+            if res.timed_out or res.duration_s >= t - 0.5:
+                kill_tagged(self.container_id, tag)
         if res.exit_code in (124, 125, 126, 127, 137, 255, -1) and not self.backend.is_running(self.container_id):
             raise SandboxDead(f"sandbox {self.sandbox_id}: container {self.name} is not running "
                               f"(exec exit {res.exit_code}: {res.stderr.strip()[:200]})")

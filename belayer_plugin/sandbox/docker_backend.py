@@ -62,7 +62,8 @@ class DockerDaemon:
             raise SandboxError("dockerd not found (run .ci/setup_containers.sh)")
         for d in ("data", "exec"):
             (self.base / d).mkdir(parents=True, exist_ok=True)
-        tag = self.base.name.replace(".", "-")
+        # containerd namespaces allow [A-Za-z0-9] runs joined by single [._-]
+        tag = "belayer" + "".join(c for c in self.base.name if c.isalnum())
         args = [dockerd, "--experimental", "--data-root", str(self.base / "data"), "--exec-root",
                 str(self.base / "exec"), "-H", self.url, "--pidfile", str(self.base / "dockerd.pid"),
                 "--bridge", "none", "--iptables=false", "--ip-masq=false", "--ip6tables=false",
@@ -345,7 +346,8 @@ class DockerBackend:
             shutil.copytree(ckdir / CRIU_DIR / CKPT_ID, dst)
             saved, self.api.timeout = self.api.timeout, timeout_s
             try:
-                res = self.api.post(self.api._url("/containers/{0}/start", cid), params={"checkpoint": CKPT_ID})
+                # _post applies the client's timeout (a bare Session.post would wait forever)
+                res = self.api._post(self.api._url("/containers/{0}/start", cid), params={"checkpoint": CKPT_ID})
                 self.api._raise_for_status(res)
             finally:
                 self.api.timeout = saved
@@ -354,5 +356,8 @@ class DockerBackend:
             err = f"docker restore failed: {e.explanation or e}"
         except Exception as e:
             err = f"docker restore failed: {type(e).__name__}: {e}"
+        # First kill what CRIU already put into the container's cgroup, without the API: dockerd holds the
+        # container's lock while the restore hangs, so even inspect would wait; dead tasks make CRIU give up.
+        kill_cgroup_leftovers(cid, timeout_s=10)
         self.discard(cid)
         raise RestoreError(err)

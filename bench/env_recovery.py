@@ -1,0 +1,217 @@
+"""Environment recovery: full_restore vs regenerating from the base image, and checkpoint overhead visibility.
+
+A scripted agent trajectory of N actions runs in a real sandbox (Podman or Docker, CRIU). Each action is
+preceded by an LLM generation, simulated by a fixed wall-clock time (--gen-s) because no model is needed to
+measure the environment. The environment holds in-memory state (the scripted daemon plus, in the python
+env, a process holding --hold-mb of memory).
+
+1. Recovery at failure points k: (a) full_restore of the newest checkpoint at or before k, then
+   regenerate the actions after it; (b) a fresh sandbox from the base image, set-up, then regenerate all
+   k actions. Regenerating an action costs one generation (simulated) plus its real exec.
+2. Overhead: the same rollout (i) without checkpoints, (ii) checkpointing synchronously after every action,
+   (iii) with the adaptive policy overlapping checkpoints with the next generation. Visible overhead is the
+   time the agent waited for checkpoints, as a share of the rollout.
+
+Last line: RESULT restore_s=.. rebuild_s=.. ratio=.. visible_overhead_pct=..
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from belayer_plugin.envs.build import ensure_image
+from belayer_plugin.envs.definitions import get_env
+from belayer_plugin.sandbox.base import Sandbox, SandboxSpec
+from belayer_plugin.sandbox.checkpoint import CheckpointStore, full_checkpoint, full_restore
+from belayer_plugin.sandbox.policy import CheckpointPolicy
+from belayer_plugin.sandbox.scripted import action, golden_state, messages, query_state, setup_stated, tokens
+from belayer_plugin.sandbox.trajectory import TrajectoryRecorder
+
+
+def make_setup(env: str, hold_mb: int):
+    def setup(sb: Sandbox) -> None:
+        setup_stated(sb)
+        if env == "python" and hold_mb > 0:
+            # a Python process holding memory and a counter: the kind of state a rebuild loses
+            code = (f"import os,time\nx=bytearray(os.urandom(1<<20))*{hold_mb}\nn=0\n"
+                    "open('/tmp/holder.ready','w').write('1')\nwhile True:\n    n+=1\n    time.sleep(0.5)\n")
+            sb.write_file("/opt/holder.py", code)
+            r = sb.exec("(python3 /opt/holder.py </dev/null >/dev/null 2>&1 &); "
+                        "i=0; while [ ! -f /tmp/holder.ready ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; "
+                        "[ -f /tmp/holder.ready ]", timeout=60)
+            assert r.exit_code == 0, r
+    return setup
+
+
+def regenerate(sb: Sandbox, first: int, last: int, gen_s: float) -> float:
+    """Regenerates actions first..last: one simulated generation + the real exec each; returns seconds."""
+    t0 = time.monotonic()
+    for i in range(first, last + 1):
+        time.sleep(gen_s)  # the LLM regenerating action i (simulated work, not synchronisation)
+        r = sb.exec(action(i)["command"], timeout=30)
+        assert r.exit_code == 0, r
+    return time.monotonic() - t0
+
+
+def rollout(backend, spec, setup, n: int, gen_s: float, store_root: Path, mode: str, policy_kind: str,
+            failure_prob: float) -> dict:
+    """One rollout of n actions; policy_kind: none | sync_every | adaptive. Returns timings."""
+    sb = Sandbox.create(backend, spec, f"roll-{policy_kind}")
+    setup(sb)
+    rec = TrajectoryRecorder(f"roll-{policy_kind}-{time.time_ns()}", sb, CheckpointStore(store_root, keep=2),
+                             checkpoint_mode=mode, checkpoint_timeout_s=60)
+    rec.start(tokens(0), messages(0), checkpoint=False)
+    pol = None
+    if policy_kind != "none":
+        pol = CheckpointPolicy(rec.checkpoint, failure_prob=failure_prob, min_overhead_s=0.05,
+                               async_checkpoint=policy_kind == "adaptive", enabled=policy_kind == "adaptive",
+                               every_n_actions=1 if policy_kind == "sync_every" else 0, cooldown_s=20.0,
+                               initial_checkpoint_s=1.0)
+    t0 = time.monotonic()
+    for i in range(1, n + 1):
+        gt = time.monotonic()
+        time.sleep(gen_s)  # the LLM generating action i (simulated); async checkpoints overlap this
+        if pol:
+            pol.note_work(time.monotonic() - gt, "generation")
+            pol.wait_ready(timeout=120)  # the action needs the sandbox: wait only if the checkpoint still runs
+        et = time.monotonic()
+        rec.begin_action(action(i))
+        r = rec.sandbox.exec(action(i)["command"], timeout=30)
+        assert r.exit_code == 0, r
+        rec.commit(tokens(i), messages(i))
+        if pol:
+            pol.note_work(time.monotonic() - et, "exec", action_done=True)
+            pol.maybe_checkpoint_async(rec.latest)
+    if pol:
+        pol.wait_ready(timeout=120)
+    total = time.monotonic() - t0
+    assert query_state(rec.sandbox) == golden_state(n)
+    out = {"total_s": total, "visible_s": pol.stats.visible_wait_s if pol else 0.0,
+           "checkpoint_s": pol.stats.checkpoint_s if pol else 0.0, "checkpoints": pol.stats.succeeded if pol else 0}
+    if pol:
+        pol.close()
+    rec.close()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="busybox env, fewer actions, shorter generations")
+    ap.add_argument("--backend", choices=["podman", "docker"], default="podman")
+    ap.add_argument("--env", choices=["busybox", "python"], default=None)
+    ap.add_argument("--actions", type=int, default=None)
+    ap.add_argument("--gen-s", type=float, default=None, help="simulated LLM generation time per action")
+    ap.add_argument("--hold-mb", type=int, default=64)
+    ap.add_argument("--failure-prob", type=float, default=0.05)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--mode", choices=["full", "fs_only", "auto"], default="full")
+    args = ap.parse_args(argv)
+    env = args.env or ("busybox" if args.quick else "python")
+    n = args.actions or (8 if args.quick else 16)
+    gen_s = args.gen_s if args.gen_s is not None else (1.0 if args.quick else 3.0)
+    repeats = args.repeats or (1 if args.quick else 3)
+    logging.basicConfig(level=logging.WARNING)
+
+    daemon = None
+    if args.backend == "docker":
+        from belayer_plugin.sandbox.docker_backend import DockerBackend, DockerDaemon
+
+        daemon = DockerDaemon().start()
+        backend = DockerBackend(daemon.url)
+    else:
+        from belayer_plugin.sandbox.podman import PodmanBackend
+
+        backend = PodmanBackend()
+    try:
+        image = ensure_image(backend, env)
+        spec = SandboxSpec(image=image, memory_mb=1024, pids_limit=256, command=get_env(env).command)
+        setup = make_setup(env, args.hold_mb)
+        work = Path(tempfile.mkdtemp(prefix="belayer-bench-"))
+        print(f"env={env} backend={backend.name} actions={n} gen_s={gen_s} mode={args.mode} repeats={repeats}")
+
+        # -- 1. recovery at several failure points -------------------------------------------------
+        points = sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4), n})
+        every = 2  # checkpoint every 2 actions in this part, so some regeneration remains after a restore
+        print(f"\n[recovery] checkpoint every {every} actions; failure after action k")
+        print(f"{'k':>4} {'ck_at':>6} {'restore_s':>10} {'regen_after_s':>14} {'full_restore_total_s':>21} "
+              f"{'rebuild_total_s':>16} {'ratio':>7}")
+        restore_tot, rebuild_tot, ck_durations, restore_only = [], [], [], []
+        for rep in range(repeats):
+            sb = Sandbox.create(backend, spec, "bench")
+            setup(sb)
+            store = CheckpointStore(work / f"rec{rep}", keep=n + 1)
+            cks = {}
+            for i in range(1, n + 1):
+                r = sb.exec(action(i)["command"], timeout=30)
+                assert r.exit_code == 0
+                if i % every == 0:
+                    t = time.monotonic()
+                    cks[i] = full_checkpoint(sb, i, store, "bench", args.mode, 120)
+                    ck_durations.append(time.monotonic() - t)
+            sb.close()
+            for k in points:
+                at = max([b for b in cks if b <= k], default=None)
+                t = time.monotonic()
+                if at is None:
+                    rs = Sandbox.create(backend, spec, "bench-r")
+                    setup(rs)
+                    at = 0
+                else:
+                    rs = full_restore(cks[at], backend, store, timeout_s=120)
+                restore_s = time.monotonic() - t
+                regen = regenerate(rs, at + 1, k, gen_s)
+                full_total = restore_s + regen
+                assert query_state(rs) == golden_state(k)
+                rs.close()
+                t = time.monotonic()
+                fresh = Sandbox.create(backend, spec, "bench-b")
+                setup(fresh)
+                regen_all = regenerate(fresh, 1, k, gen_s)
+                rebuild = time.monotonic() - t
+                assert query_state(fresh) == golden_state(k)
+                fresh.close()
+                restore_tot.append(full_total)
+                rebuild_tot.append(rebuild)
+                restore_only.append(restore_s)
+                print(f"{k:>4} {at:>6} {restore_s:>10.2f} {regen:>14.2f} {full_total:>21.2f} {rebuild:>16.2f} "
+                      f"{rebuild / full_total:>6.1f}x")
+
+        # -- 2. overhead: none vs synchronous every action vs adaptive async -------------------------
+        print(f"\n[overhead] rollout of {n} actions, generation {gen_s}s each")
+        res = {}
+        for kind in ("none", "sync_every", "adaptive"):
+            runs = [rollout(backend, spec, setup, n, gen_s, work / f"roll-{kind}-{r}", args.mode, kind,
+                            args.failure_prob) for r in range(repeats)]
+            res[kind] = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
+            v = res[kind]
+            print(f"  {kind:>10}: rollout {v['total_s']:7.2f}s  checkpoints {v['checkpoints']:5.1f}  "
+                  f"checkpoint time {v['checkpoint_s']:6.2f}s  visible wait {v['visible_s']:6.3f}s "
+                  f"({100 * v['visible_s'] / v['total_s']:.2f}% of rollout)")
+        base = res["none"]["total_s"]
+        ad = res["adaptive"]
+        sync = res["sync_every"]
+        hidden_pct = 100 * (1 - ad["visible_s"] / ad["checkpoint_s"]) if ad["checkpoint_s"] else 100.0
+        print(f"  sync_every slows the rollout by {100 * (sync['total_s'] - base) / base:.1f}%; adaptive by "
+              f"{100 * (ad['total_s'] - base) / base:.1f}%; adaptive hides {hidden_pct:.0f}% of its checkpoint time")
+
+        r_s, b_s = statistics.mean(restore_tot), statistics.mean(rebuild_tot)
+        vis_pct = 100 * ad["visible_s"] / ad["total_s"]
+        print(f"\ncheckpoint mean {statistics.mean(ck_durations):.2f}s, restore alone mean "
+              f"{statistics.mean(restore_only):.2f}s; recovery ratio rebuild/full_restore = {b_s / r_s:.1f}x "
+              f"(goal >= 3.5x); visible overhead {vis_pct:.2f}% (goal <= 1%)")
+        print(f"RESULT restore_s={r_s:.3f} rebuild_s={b_s:.3f} ratio={b_s / r_s:.2f} visible_overhead_pct={vis_pct:.3f}")
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Sandbox API and full checkpoint/restore on real Podman and Docker (+ CRIU), each test on both backends."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from belayer_plugin.sandbox.base import (
+    CheckpointCorrupt,
+    CriuUnavailable,
+    RestoreError,
+    Sandbox,
+    SandboxDead,
+    SandboxSpec,
+    cgroup_pids,
+)
+from belayer_plugin.sandbox.checkpoint import CheckpointStore, full_checkpoint, full_restore
+from belayer_plugin.sandbox.scripted import action, golden_state, query_state, setup_stated
+from tests.sandbox_fixtures import (  # noqa: F401  (fixtures)
+    backend,
+    busybox_image,
+    busybox_image_for,
+    criu_ok,
+    docker,
+    dockerd,
+    env_cache,
+    podman,
+)
+
+pytestmark = pytest.mark.containers
+
+
+@pytest.fixture
+def sandbox(backend, busybox_image):
+    sb = Sandbox.create(backend, SandboxSpec(image=busybox_image, memory_mb=128, pids_limit=64), exec_timeout_s=20)
+    yield sb
+    sb.close()
+
+
+def _live_container_ids() -> set[str]:
+    """64-hex container ids that own at least one process right now (from /proc/*/cgroup)."""
+    ids: set[str] = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ids.update(re.findall(r"[0-9a-f]{64}", open(f"/proc/{d}/cgroup").read()))
+            except OSError:
+                pass
+    return ids
+
+
+def test_exec_returns_stdout_stderr_and_exit_code(sandbox):
+    r = sandbox.exec("echo out; echo err >&2; exit 7")
+    assert (r.stdout, r.stderr, r.exit_code, r.timed_out) == ("out\n", "err\n", 7, False)
+    r = sandbox.exec(["sh", "-c", 'printf "%s|" "$@"', "x", "a b", "c"])
+    assert r.stdout == "a b|c|" and r.exit_code == 0
+
+
+def test_exec_timeout_kills_the_command_inside_the_container(sandbox):
+    t0 = time.monotonic()
+    r = sandbox.exec("sleep 30; echo never", timeout=1)
+    assert r.timed_out and "never" not in r.stdout and time.monotonic() - t0 < 10
+    assert "sleep 30" not in sandbox.exec("ps -o args").stdout
+
+
+def test_files_round_trip_bytes_and_missing_file_is_reported(sandbox):
+    blob = bytes(range(256)) * 40
+    sandbox.write_file("/work/deep/dir/blob.bin", blob, 0o600)
+    assert sandbox.read_file("/work/deep/dir/blob.bin") == blob
+    assert sandbox.exec("stat -c %a /work/deep/dir/blob.bin").stdout.strip() == "600"
+    with pytest.raises(FileNotFoundError):
+        sandbox.read_file("/work/absent")
+
+
+def test_sandbox_has_no_network_but_loopback_and_limits_apply(sandbox):
+    ifaces = [ln.split(":")[0].strip() for ln in sandbox.exec("cat /proc/net/dev").stdout.splitlines()[2:]]
+    assert ifaces == ["lo"]
+    pid = cgroup_pids(sandbox.container_id)[0]
+    cg = {ln.split(":")[1]: ln.split(":")[2] for ln in open(f"/proc/{pid}/cgroup").read().splitlines()}
+    mem = Path("/sys/fs/cgroup/memory") / cg["memory"].lstrip("/") / "memory.limit_in_bytes"
+    pids = Path("/sys/fs/cgroup/pids") / cg["pids"].lstrip("/") / "pids.max"
+    assert int(mem.read_text()) == 128 * 1024 * 1024
+    assert pids.read_text().strip() == "64"
+
+
+def test_exec_on_killed_container_raises_sandbox_dead(sandbox):
+    sandbox.kill()
+    with pytest.raises(SandboxDead):
+        sandbox.exec("true")
+
+
+def test_restore_continues_in_memory_state_in_fresh_container_and_drops_later_file_edits(
+        backend, sandbox, tmp_path, criu_ok):
+    setup_stated(sandbox)
+    for i in (1, 2):
+        assert sandbox.exec(action(i)["command"]).exit_code == 0
+    store = CheckpointStore(tmp_path)
+    events: list[dict] = []
+    ck = full_checkpoint(sandbox, 2, store, "traj", mode="full", on_event=events.append)
+    assert ck.mode == "full" and ck.boundary == 2
+    assert any(e["kind"] == "checkpoint" and e["boundary"] == 2 for e in events)
+    # after the checkpoint: more in-memory state and file edits, which the restore must not see
+    assert sandbox.exec(action(3)["command"]).exit_code == 0
+    sandbox.write_file("/work/f0", "edited after checkpoint\n")
+    assert query_state(sandbox) != golden_state(2)
+    restored = full_restore(ck, backend, store, on_event=events.append)
+    try:
+        assert restored.container_id != sandbox.container_id
+        assert query_state(restored) == golden_state(2)  # memory: " a1 a2" held only by the daemon
+        # ... and the daemon keeps working from there
+        assert restored.exec(action(3)["command"]).exit_code == 0
+        assert query_state(restored) == golden_state(3)
+        # a chain: checkpoint the restored container and restore again
+        ck2 = full_checkpoint(restored, 3, store, "traj", mode="full")
+        again = full_restore(ck2, backend, store)
+        try:
+            assert query_state(again) == golden_state(3)
+        finally:
+            again.close()
+    finally:
+        restored.close()
+    assert any(e["kind"] == "restore" and e["processes_restored"] for e in events)
+
+
+def test_without_criu_checkpoints_are_file_system_only_and_say_so(backend, busybox_image, tmp_path, request):
+    if backend.name == "podman":
+        from belayer_plugin.sandbox.podman import PodmanBackend
+
+        nocriu = PodmanBackend(state_dir=tmp_path / "st", criu_path="/nonexistent/criu")
+    else:
+        from belayer_plugin.sandbox.docker_backend import DockerBackend
+
+        nocriu = DockerBackend(request.getfixturevalue("dockerd").url, criu_path="/nonexistent/criu")
+    sb = Sandbox.create(nocriu, SandboxSpec(image=busybox_image))
+    try:
+        setup_stated(sb)
+        assert sb.exec(action(1)["command"]).exit_code == 0
+        store = CheckpointStore(tmp_path / "ck")
+        with pytest.raises(CriuUnavailable, match="criu"):
+            full_checkpoint(sb, 1, store, "t", mode="full")
+        events: list[dict] = []
+        ck = full_checkpoint(sb, 1, store, "t", mode="auto", on_event=events.append)
+        assert ck.mode == "fs_only"
+        reported = [e for e in events if e["kind"] == "checkpoint_mode"]
+        assert reported and "CRIU unavailable" in reported[0]["reason"] and reported[0]["mode"] == "fs_only"
+        sb.write_file("/work/log", "clobbered\n")
+        r = full_restore(ck, nocriu, store)
+        try:
+            assert r.processes_fresh
+            assert r.read_file("/work/log") == b"a1\n"  # files as at the checkpoint
+            assert "stated.sh" not in r.exec("ps -o args").stdout  # processes start fresh
+        finally:
+            r.close()
+    finally:
+        sb.close()
+
+
+def _republish(store: CheckpointStore, ck, tamper) -> "object":
+    """A copy of `ck` whose artifacts `tamper` changed, re-checksummed (so only the restore can notice)."""
+    st = store.new_staging(ck.trajectory_id)
+    shutil.rmtree(st)
+    shutil.copytree(ck.path, st)
+    (st / "MANIFEST.json").unlink()
+    tamper(st)
+    body = {k: v for k, v in ck.body.items() if k not in ("files", "format")}
+    body["artifact_names"] = [f["name"] for f in ck.body["files"]]
+    return store.publish(st, body)
+
+
+def _truncate_pages(st: Path) -> None:
+    pages = sorted(st.rglob("pages-*.img"))
+    if pages:  # docker: plain CRIU image files
+        for p in pages:
+            p.write_bytes(p.read_bytes()[: 4096])
+        return
+    # podman: one zstd tar holding checkpoint/pages-*.img
+    export = st / "podman-checkpoint.tar.zst"
+    work = st / "x"
+    work.mkdir()
+    subprocess.run(["tar", "--zstd", "-xf", str(export), "-C", str(work)], check=True)
+    for p in work.rglob("pages-*.img"):
+        p.write_bytes(p.read_bytes()[: 4096])
+    export.unlink()
+    subprocess.run(["tar", "--zstd", "-cf", str(export), "-C", str(work), "."], check=True)
+    shutil.rmtree(work)
+
+
+def test_failed_restore_leaves_nothing_of_the_half_restored_sandbox_running(backend, sandbox, tmp_path, criu_ok):
+    setup_stated(sandbox)
+    sandbox.exec("dd if=/dev/urandom of=/dev/null bs=1k count=1; x=$(head -c 300000 /dev/zero | tr '\\0' a)")
+    store = CheckpointStore(tmp_path, keep=10)
+    ck = full_checkpoint(sandbox, 1, store, "t", mode="full")
+    bad = _republish(store, ck, _truncate_pages)
+    store.verify(bad)  # checksums are fine: only CRIU can tell
+    before = _live_container_ids()
+    events: list[dict] = []
+    with pytest.raises(RestoreError):
+        # CRIU may hang on the damaged images: the restore timeout bounds it, then everything is killed
+        full_restore(bad, backend, store, name="belayer-badrestore-" + backend.name, on_event=events.append,
+                     timeout_s=8)
+    assert backend.container_id("belayer-badrestore-" + backend.name) is None
+    assert _live_container_ids() <= before  # no process of a new container survives
+    assert [e["kind"] for e in events] == ["restore_failed"]
+    good = full_restore(ck, backend, store)  # the intact checkpoint still restores
+    try:
+        assert "mem:" in query_state(good)
+    finally:
+        good.close()
+
+
+def test_corrupt_checkpoint_is_detected_and_never_restored(backend, sandbox, tmp_path):
+    store = CheckpointStore(tmp_path)
+    sandbox.write_file("/work/x", "1")
+    ck = full_checkpoint(sandbox, 1, store, "t", mode="auto")
+    victim = max((p for p in ck.path.rglob("*") if p.is_file() and p.name != "MANIFEST.json"),
+                 key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    name = "belayer-corrupt-" + backend.name
+    with pytest.raises(CheckpointCorrupt):
+        full_restore(ck, backend, store, name=name)
+    assert backend.container_id(name) is None
+
+
+def test_checkpoint_that_cannot_finish_in_time_publishes_nothing(backend, sandbox, tmp_path, criu_ok):
+    store = CheckpointStore(tmp_path)
+    setup_stated(sandbox)
+    with pytest.raises(Exception):
+        full_checkpoint(sandbox, 1, store, "t", mode="full", timeout_s=0.01)
+    assert store.list("t") == []
+    assert not any(p.name.startswith(".staging-") for p in (tmp_path / "t").iterdir())
