@@ -98,15 +98,22 @@ class StaticSelector:
 
 
 ProgressFn = Callable[[ContextLog, Segment], Optional[Awaitable[None]]]
+# Chunked mode's one call to an engine: (engine url, SGLang /generate body, timeout) -> SGLang-shaped response.
+# Raises GenerateError (retriable: go on elsewhere). The default is HTTP /generate; trainer hooks plug in
+# their own (e.g. a Ray actor RPC) and keep the resume loop here.
+Transport = Callable[[str, dict, float], Awaitable[dict]]
 
 
 class ResumableGenerator:
     """Runs SGLang-style /generate requests with token-level recovery."""
 
     def __init__(self, selector: Selector, cfg: RecoveryConfig, events: Optional[EventLog] = None,
-                 client: Optional[httpx.AsyncClient] = None):
+                 client: Optional[httpx.AsyncClient] = None, transport: Optional[Transport] = None):
+        if transport is not None and cfg.mode != "chunked":
+            raise ValueError("a custom transport needs recovery.mode=chunked (stream mode is HTTP SSE only)")
         self.selector = selector
         self.cfg = cfg
+        self.transport = transport
         self.events = events or EventLog()
         self.client = client or httpx.AsyncClient(limits=httpx.Limits(max_connections=1000))
         # Called on every commit of every request (metrics, chaos triggers at a token position).
@@ -202,7 +209,10 @@ class ResumableGenerator:
         while True:
             n = min(self.cfg.chunk_tokens, log.remaining)
             body = self._body(log, sp, None if seed is None else seed + (log.committed - seg.start), n, attempt)
-            out = await generate(self.client, seg.url, body, timeout=self.cfg.stall_timeout_s)
+            if self.transport is not None:
+                out = await self.transport(seg.url, body, self.cfg.stall_timeout_s)
+            else:
+                out = await generate(self.client, seg.url, body, timeout=self.cfg.stall_timeout_s)
             meta = out.get("meta_info", {})
             got = log.append(seg, out.get("output_ids", []), meta.get("output_token_logprobs"),
                              meta.get("weight_version"))
