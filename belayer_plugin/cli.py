@@ -18,6 +18,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if report["deterministic"] else 1
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from belayer_plugin.loop import ReferenceLoop
+
+    cfg, raw = load_belayer_config(args.recipe, args.overrides)
+    loop = ReferenceLoop(cfg, raw)
+    report = asyncio.run(loop.run())
+    return 0 if report["status"] == "ok" else 1
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
@@ -55,6 +64,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     d.add_argument("--recipe", default="fleet_demo")
     d.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. belayer.engines.num_engines=3")
     d.set_defaults(fn=_cmd_demo)
+
+    r = sub.add_parser("run", help="run the reference agentic RL loop on a recipe (the main job)")
+    r.add_argument("recipe", nargs="?", default="demo", help="a name under recipes/ or a YAML path")
+    r.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. belayer.use_fault_tolerance=false")
+    r.set_defaults(fn=_cmd_run)
 
     c = sub.add_parser("config", help="show or check a recipe (validation names every problem at once)")
     c.add_argument("action", choices=["show", "check"])

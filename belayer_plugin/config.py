@@ -357,6 +357,17 @@ def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
     return obj
 
 
+def validate_section(cls: type, raw: Any, path: str) -> Any:
+    """Validates any config dataclass of the same kind (e.g. a trainer's own section) against `raw`."""
+    if isinstance(raw, DictConfig):
+        raw = OmegaConf.to_container(raw, resolve=True, throw_on_missing=False)
+    problems: list[str] = []
+    obj = _build(cls, raw if raw is not None else {}, path, problems)
+    if problems:
+        raise ConfigError(problems)
+    return obj
+
+
 def validate(raw: Any, path: str = "belayer") -> BelayerConfig:
     """Returns the typed config, or raises ConfigError naming every missing or invalid key at once."""
     if isinstance(raw, DictConfig):

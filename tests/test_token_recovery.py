@@ -208,7 +208,7 @@ async def test_front_answers_malformed_bodies_with_400(tmp_path, tiny_model, bod
             assert (await c.get(f"{front.url}/get_model_info")).status_code == 200
 
 
-async def test_sampled_segments_record_their_seed_and_version(tmp_path, tiny_model):
+async def test_sampled_request_resumes_exactly_and_segments_record_seed_and_version(tmp_path, tiny_model):
     async with fleet_and_front(tmp_path, tiny_model) as (fm, gen, front):
         sp = {"max_new_tokens": 100, "temperature": 1.0, "seed": 7, "ignore_eos": True}
         killed = []
@@ -218,8 +218,12 @@ async def test_sampled_segments_record_their_seed_and_version(tmp_path, tiny_mod
                 killed.append(clog.committed)
                 os.kill(fm.slots[seg.engine].info.pid, signal.SIGKILL)
 
+        async with httpx.AsyncClient() as c:
+            golden = (await generate(c, fm.slots["engine-1"].info.url, {"input_ids": PROMPTS[0], "sampling_params": sp},
+                                     60))["output_ids"]
         clog, resp = await gen.generate("s", PROMPTS[0], sp, on_progress=kill)
-        assert len(resp["output_ids"]) == 100
+        # The CPU engine draws token i with seed + i, so even a sampled request resumes exactly.
+        assert resp["output_ids"] == golden
         s0, s1 = clog.segments[0], clog.segments[1]
         assert s0.seed == 7 and s1.seed == 7 + s1.start
         assert s0.weight_version == s1.weight_version == "default"

@@ -273,7 +273,12 @@ class Engine:
                 probs = probs / probs.sum()
             if req.generator is None:
                 req.generator = torch.Generator()
-                req.generator.manual_seed(s.seed if s.seed is not None else int.from_bytes(os.urandom(4), "little"))
+                if s.seed is None:
+                    req.generator.manual_seed(int.from_bytes(os.urandom(4), "little"))
+            if s.seed is not None:
+                # Token i is drawn with seed + i: a request resumed from prompt + k tokens with seed + k
+                # samples exactly the tokens the uninterrupted request would have.
+                req.generator.manual_seed(s.seed + len(req.output_ids))
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
         return tok, float(logprobs[tok])
 

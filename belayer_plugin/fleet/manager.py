@@ -86,6 +86,7 @@ class FleetManager:
         self.slots: dict[str, Slot] = {}
         self.weights = Weights()
         self.phase = Phase.SERVING
+        self.memory_released = False  # engines' weights and KV cache released (trainer holds the memory)
         self.policy = RestartPolicy(cfg.restart)
         self.monitor = HealthMonitor(cfg.monitor, self._on_signal)
         self.router: Optional[Router] = None
@@ -135,13 +136,14 @@ class FleetManager:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=10)
-        for s in self.slots.values():
-            if s.actor is not None:
-                try:
-                    await asyncio.wait_for(s.actor.stop.remote(), self.cfg.engines.shutdown_timeout_s * 2)
-                except Exception:  # dead or hung: ray.kill below takes it (and PDEATHSIG its server)
-                    pass
-                ray.kill(s.actor, no_restart=True)
+        async def stop(actor: Any) -> None:
+            try:
+                await asyncio.wait_for(actor.stop.remote(), self.cfg.engines.shutdown_timeout_s * 2)
+            except Exception:  # dead or hung: ray.kill below takes it (and PDEATHSIG its server)
+                pass
+            ray.kill(actor, no_restart=True)
+
+        await asyncio.gather(*(stop(s.actor) for s in self.slots.values() if s.actor is not None))
         if self.router is not None:
             await self.router.aclose()
         if self.holder is not None:
@@ -224,7 +226,8 @@ class FleetManager:
         if tr.to_state is State.HEALTHY:
             s.fault_t = None
         if tr.to_state is State.DEAD:
-            if s.handover_t is not None and now - s.handover_t < self.cfg.shadow.fault_window_s:
+            crashed = sig in (Signal.LIVENESS_LOST, Signal.PROBE_FAILED)  # not a fence of our own
+            if crashed and s.handover_t is not None and now - s.handover_t < self.cfg.shadow.fault_window_s:
                 # The shadow died soon after taking over the same slot: suspect the node, not the engine.
                 s.excluded = (f"failed again {now - s.handover_t:.1f} s after a handover "
                               f"(shadow.fault_window_s={self.cfg.shadow.fault_window_s:g}): suspected hardware fault")
@@ -327,6 +330,9 @@ class FleetManager:
         """Loads `want` into the engine and checks the version it then reports; False if it failed."""
         path = want.path or self.engine_model_path
         try:
+            if self.memory_released:
+                # Weights must be resident to be replaced (SGLang: resume the weights, not yet the KV cache).
+                await s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
             r = await s.actor.call.remote("POST", "/update_weights_from_disk",
                                           {"model_path": path, "weight_version": want.version}, 600.0)
             version = await s.actor.weight_version.remote()
@@ -344,7 +350,7 @@ class FleetManager:
 
     async def _match_phase(self, s: Slot) -> None:
         """A replacement joins in the fleet's phase (e.g. memory released while the trainer trains)."""
-        if self.phase is Phase.RELEASED:
+        if self.memory_released and self.phase is not Phase.REFIT:
             await s.actor.call.remote("POST", "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
 
     async def _recover(self, s: Slot) -> None:
@@ -440,6 +446,7 @@ class FleetManager:
         """Leaves the serving phase (readiness probes stop; liveness keeps watching)."""
         self.monitor.pause()
         self.phase = Phase.RELEASED if release_memory else Phase.PAUSED
+        self.memory_released = release_memory
         if release_memory:
             await asyncio.gather(*(s.actor.call.remote("POST", "/release_memory_occupation",
                                                        {"tags": ["kv_cache", "weights"]})
@@ -449,13 +456,15 @@ class FleetManager:
 
     async def resume(self) -> None:
         """Back to serving: resumes memory where released, then readiness probes."""
-        if self.phase is Phase.RELEASED:
+        if self.memory_released:
             await asyncio.gather(*(s.actor.call.remote("POST", "/resume_memory_occupation",
                                                        {"tags": ["kv_cache", "weights"]})
                                    for s in self.slots.values() if s.actor is not None and s.info is not None),
                                  return_exceptions=True)
         self.phase = Phase.SERVING
-        self.monitor.resume()
+        self.memory_released = False
+        if self.ft:
+            self.monitor.resume()
         self.events.emit("fleet", "fleet", "phase", self.phase.value)
 
     async def recover_dead(self, timeout: float) -> int:

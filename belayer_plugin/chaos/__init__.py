@@ -1,0 +1,2 @@
+"""Fault injection for chaos recipes. Imported only when `belayer.chaos.enabled` is true; it acts from
+outside, with real signals and container kills, never through hooks on production classes."""

@@ -1,0 +1,265 @@
+"""The reference agentic RL loop, driving the lifecycle a trainer drives, on Ray:
+
+    generation (multi-turn rollouts in sandboxes) -> pause + release engine memory -> a GRPO step on the
+    learner -> refit every engine to the new weight version -> resume
+
+with Belayer's recovery in every phase when `belayer.use_fault_tolerance` is true, and chaos injected when
+`belayer.chaos.enabled` is true. The report says what happened; nothing is claimed that it does not show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig
+
+from belayer_plugin.config import BelayerConfig, validate_section
+from belayer_plugin.events import EventLog
+from belayer_plugin.fleet.launch import make_run_dir
+
+
+@dataclass
+class LoopConfig:
+    """The reference trainer's own knobs (the `loop:` section of a recipe); values come from the recipe."""
+
+    num_steps: int = field(default=MISSING)
+    prompts_per_step: int = field(default=MISSING)
+    group_size: int = field(default=MISSING)
+    turns: int = field(default=MISSING)
+    tokens_per_turn: int = field(default=MISSING)
+    temperature: float = field(default=MISSING)
+    lr: float = field(default=MISSING)
+    seed: int = field(default=MISSING)
+    learner_restarts: int = field(default=MISSING)
+    step_timeout_s: float = field(default=MISSING)
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("num_steps", "prompts_per_step", "group_size", "turns", "tokens_per_turn"):
+            if getattr(self, name) < 1:
+                out.append(f"{name}: must be >= 1")
+        if self.temperature < 0 or self.lr <= 0 or self.step_timeout_s <= 0:
+            out.append("temperature >= 0, lr > 0 and step_timeout_s > 0 are required")
+        return out
+
+
+def _loop_config(recipe: DictConfig) -> LoopConfig:
+    return validate_section(LoopConfig, recipe.get("loop"), "loop")
+
+
+class RunFailed(RuntimeError):
+    """The run could not finish; the report carries what was lost and why."""
+
+
+class ReferenceLoop:
+    """One run of the reference loop; `run()` returns the report dict."""
+
+    def __init__(self, cfg: BelayerConfig, recipe: DictConfig, progress: bool = True):
+        self.cfg = cfg
+        self.loop = _loop_config(recipe)
+        self.run_dir = make_run_dir(cfg)
+        self.events = EventLog(self.run_dir / "events.jsonl")
+        self.progress = progress
+        self.fleet: Any = None
+        self.learner: Any = None
+        self.learner_pid: Optional[int] = None
+        self.chaos: Any = None
+        self.steps: list[dict] = []
+        self.trajectories: list[dict] = []
+        self.lost: list[dict] = []
+
+    def _say(self, msg: str) -> None:
+        if self.progress:
+            print(msg, flush=True)
+
+    async def _new_learner(self) -> None:
+        import ray
+
+        from belayer_plugin.learner import Learner
+
+        self.learner = ray.remote(Learner).options(num_cpus=0, max_restarts=0).remote(
+            self.fleet.model_path, str(self.run_dir), self.loop.lr, self.loop.seed)
+        info = await self.learner.info.remote()
+        self.learner_pid = info["pid"]
+        if info["resumed_from"] is not None:
+            self.events.emit("learner", "learner", "resumed", f"from the checkpoint of step {info['resumed_from']}",
+                             step=info["resumed_from"])
+
+    async def _train(self, step: int, batch: list[dict]) -> dict:
+        import ray
+
+        attempts = 0
+        while True:
+            try:
+                return await self.learner.train_step.remote(step, batch)
+            except ray.exceptions.RayActorError as e:
+                attempts += 1
+                self.events.emit("learner", "learner", "died", f"{type(e).__name__} at step {step}", level="warning")
+                if not self.cfg.use_fault_tolerance or attempts > self.loop.learner_restarts:
+                    raise RunFailed(f"learner died at step {step} "
+                                    f"({'fault tolerance off' if not self.cfg.use_fault_tolerance else 'restart budget spent'})") from e
+                t0 = time.monotonic()
+                await self._new_learner()  # resumes from the newest complete checkpoint (step - 1)
+                self.events.emit("learner", "learner", "restarted", f"re-running step {step}",
+                                 took_s=round(time.monotonic() - t0, 3))
+
+    def _backend(self) -> Any:
+        sb = self.cfg.sandbox
+        if sb.backend == "podman":
+            from belayer_plugin.sandbox.podman import PodmanBackend
+
+            backend: Any = PodmanBackend(criu_path=sb.criu_path, root=sb.podman_root or None)
+        else:
+            from belayer_plugin.sandbox.docker_backend import DockerBackend
+
+            backend = DockerBackend(base_url=sb.docker_host or None, criu_path=sb.criu_path)
+        return backend
+
+    async def run(self) -> dict:
+        """Runs every step; returns the report (also written to run_dir/report.json)."""
+        from belayer_plugin import report
+
+        t_start = time.time()
+        status, error = "ok", None
+        try:
+            await self._run()
+        except Exception as e:  # the report must say what went wrong, typed
+            status = "failed"
+            error = {"type": type(e).__name__, "message": str(e)[:2000],
+                     "traceback": traceback.format_exc()[-4000:]}
+            self.events.emit("loop", "run", "failed", f"{type(e).__name__}: {str(e)[:300]}", level="error")
+        finally:
+            await self._cleanup()
+        rep = report.build(self, status, error, time.time() - t_start)
+        report.write(rep, self.run_dir, self.events)
+        return rep
+
+    async def _run(self) -> None:
+        import ray
+        from transformers import AutoTokenizer
+
+        from belayer_plugin.envs.build import ensure_image
+        from belayer_plugin.fleet.manager import FleetManager
+        from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
+        from belayer_plugin.ray_cluster import init_ray
+        from belayer_plugin.rollout import TASK, run_trajectory
+        from belayer_plugin.sandbox.base import Sandbox, SandboxSpec
+        from belayer_plugin.sandbox.checkpoint import CheckpointStore
+
+        cfg, lc = self.cfg, self.loop
+        init_ray(cfg.ray)
+        self._say(f"[belayer] run dir {self.run_dir}; fault tolerance {'ON' if cfg.use_fault_tolerance else 'OFF'}; "
+                  f"chaos {cfg.chaos.kind + ' @ ' + cfg.chaos.trigger + ' ' + format(cfg.chaos.at, 'g') if cfg.chaos.enabled else 'off'}")
+        self.fleet = FleetManager(cfg, self.run_dir, self.events)
+        t0 = time.monotonic()
+        backend = self._backend()
+        image = await asyncio.to_thread(ensure_image, backend, cfg.sandbox.env, cfg.sandbox.env_cache_dir or None)
+        await self.fleet.start()
+        self._say(f"[belayer] {cfg.engines.num_engines} {cfg.engines.kind} engines"
+                  f"{f' + {cfg.shadow.num_standby} standby' if self.fleet.shadows else ''} up in "
+                  f"{time.monotonic() - t0:.1f} s; sandbox image {image}")
+        recovery = cfg.recovery
+        if not cfg.use_fault_tolerance:
+            from dataclasses import replace
+
+            recovery = replace(recovery, max_attempts=1)  # no resume: a failed request is lost
+        gen = ResumableGenerator(FleetSelector(self.fleet), recovery, self.events)
+        if cfg.chaos.enabled:
+            from belayer_plugin.chaos.injector import ChaosInjector
+
+            self.chaos = ChaosInjector(cfg.chaos, self.events, self.fleet, lambda: self.learner_pid)
+            backend = self.chaos.wrap_backend(backend)
+            gen.observers.append(self.chaos.gen_observer)
+            self.events.subscribe(self.chaos.on_event)
+            self.chaos.start()
+        tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.fleet.model_path)
+        store = CheckpointStore(cfg.sandbox.checkpoint_dir or self.run_dir / "sandbox-checkpoints",
+                                keep=cfg.sandbox.keep_checkpoints)
+        spec = SandboxSpec(image=image, cpus=cfg.sandbox.cpus, memory_mb=cfg.sandbox.memory_mb,
+                           pids_limit=cfg.sandbox.pids_limit, network=cfg.sandbox.network)
+
+        def factory(tid: str, on_event: Any) -> Any:
+            return Sandbox.create(backend, spec, sandbox_id=tid, exec_timeout_s=cfg.sandbox.exec_timeout_s,
+                                  on_event=on_event)
+
+        await self._new_learner()
+        for step in range(1, lc.num_steps + 1):
+            t_step = time.monotonic()
+            if self.chaos:
+                self.chaos.on_phase("serving", step)
+            prompts = []
+            for p in range(lc.prompts_per_step):
+                text = tok.apply_chat_template([{"role": "user", "content": f"{TASK} Episode {step}.{p}"}],
+                                               tokenize=False, add_generation_prompt=True)
+                prompts.append(tok(text)["input_ids"])
+            jobs = []
+            for p, ids in enumerate(prompts):
+                for g in range(lc.group_size):
+                    i = p * lc.group_size + g
+                    jobs.append(run_trajectory(traj_id=f"s{step}-p{p}-g{g}", traj_index=i, step=step, prompt_ids=ids,
+                                               tokenizer=tok, gen=gen, sandbox_factory=factory, store=store, cfg=cfg,
+                                               loop_cfg=lc, events=self.events, chaos=self.chaos))
+            t_gen = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), lc.step_timeout_s)
+            gen_s = time.monotonic() - t_gen
+            done = [r for r in results if not isinstance(r, BaseException)]
+            for r in results:
+                if isinstance(r, BaseException):
+                    self.lost.append({"step": step, "error": f"{type(r).__name__}: {str(r)[:300]}"})
+            for r in done:
+                self.trajectories.append({"step": step, "id": r.traj_id, "digest": r.digest(), "reward": r.reward,
+                                          "actions": len(r.actions), "tokens": len(r.token_ids),
+                                          "env_recoveries": r.env_recoveries, "resumed_requests": r.resumed_requests,
+                                          "checkpoints": r.checkpoints, "checkpoint_wait_s": round(r.checkpoint_wait_s, 4),
+                                          "gen_s": round(r.gen_s, 3), "env_s": round(r.env_s, 3),
+                                          "final_state": r.final_state})
+            if len(done) < len(results):
+                raise RunFailed(f"step {step}: {len(results) - len(done)} of {len(results)} trajectories lost; "
+                                f"first: {self.lost[-1]['error']}")
+            # GRPO: advantages normalised within each prompt's group
+            batch = []
+            by_prompt: dict[int, list[Any]] = {}
+            for i, r in enumerate(done):
+                by_prompt.setdefault(i // lc.group_size, []).append(r)
+            for group in by_prompt.values():
+                rs = [r.reward for r in group]
+                mu, sd = statistics.fmean(rs), (statistics.pstdev(rs) or 1.0)
+                for r in group:
+                    batch.append({"token_ids": r.token_ids, "gen_mask": r.gen_mask, "advantage": (r.reward - mu) / sd})
+            await self.fleet.pause(release_memory=True)
+            if self.chaos:
+                self.chaos.on_phase("paused", step)
+            out = await self._train(step, batch)
+            if self.chaos:
+                self.chaos.on_phase("refit", step)
+            if cfg.use_fault_tolerance:
+                await self.fleet.recover_dead(lc.step_timeout_s)  # a no-op when nothing died
+            served = await self.fleet.refit(out["path"], f"v{step}")
+            await self.fleet.resume()
+            rewards = [r.reward for r in done]
+            self.steps.append({"step": step, "mean_reward": statistics.fmean(rewards), "loss": out["loss"],
+                               "version": f"v{step}", "engines": served, "trajectories": len(done),
+                               "gen_s": round(gen_s, 3), "step_s": round(time.monotonic() - t_step, 3)})
+            self._say(f"[step {step}/{lc.num_steps}] {'#' * step}{'.' * (lc.num_steps - step)} "
+                      f"{len(done)} trajectories, mean reward {statistics.fmean(rewards):+.2f}, loss {out['loss']:+.4f}, "
+                      f"weights v{step} on {len(served)} engine(s), {time.monotonic() - t_step:.1f} s")
+
+    async def _cleanup(self) -> None:
+        import ray
+
+        if self.chaos is not None:
+            self.chaos.stop()
+        if self.learner is not None:
+            try:
+                await asyncio.wait_for(self.learner.wait_checkpoint.remote(), 30)
+            except Exception:
+                pass
+            ray.kill(self.learner, no_restart=True)
+        if self.fleet is not None:
+            await self.fleet.shutdown()
