@@ -219,6 +219,7 @@ class ReferenceLoop:
                                           "checkpoints": r.checkpoints, "checkpoint_wait_s": round(r.checkpoint_wait_s, 4),
                                           "gen_s": round(r.gen_s, 3), "env_s": round(r.env_s, 3),
                                           "final_state": r.final_state})
+            self.fleet.raise_if_fatal()  # below the floor: the typed fleet error, not "trajectories lost"
             if len(done) < len(results):
                 raise RunFailed(f"step {step}: {len(results) - len(done)} of {len(results)} trajectories lost; "
                                 f"first: {self.lost[-1]['error']}")

@@ -112,7 +112,7 @@ class FleetManager:
         await asyncio.gather(*ups)
         if self.ft:
             self.monitor.resume()
-        self._raise_if_fatal()
+        self.raise_if_fatal()
 
     async def _start_holder(self) -> None:
         """CPU engines map the weights from one shared-memory copy owned by a holder actor."""
@@ -164,7 +164,8 @@ class FleetManager:
     def serving_slots(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.health.serving and s.info is not None]
 
-    def _raise_if_fatal(self) -> None:
+    def raise_if_fatal(self) -> None:
+        """Raises the fleet's fatal error (FleetBelowFloorError), if it has one."""
         if self.fatal is not None:
             raise self.fatal
 
@@ -177,7 +178,7 @@ class FleetManager:
 
         async with self._changed:
             await asyncio.wait_for(self._changed.wait_for(done), timeout)
-        self._raise_if_fatal()
+        self.raise_if_fatal()
 
     def pick_engine(self) -> Slot:
         """Direct mode: the least-loaded HEALTHY engine (SUSPECT ones only if nothing else serves)."""
@@ -185,7 +186,7 @@ class FleetManager:
 
     def pick_engine_excluding_urls(self, exclude: set[str]) -> Slot:
         """Like pick_engine, skipping engines by URL (a request's failed engines, not their replacements)."""
-        self._raise_if_fatal()
+        self.raise_if_fatal()
         cands = [s for s in self.serving_slots() if s.info.url not in exclude]
         healthy = [s for s in cands if s.health.state is State.HEALTHY] or cands
         if not healthy:
@@ -473,7 +474,7 @@ class FleetManager:
         if not pending:
             return 0
         await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout)
-        self._raise_if_fatal()
+        self.raise_if_fatal()
         return len(pending)
 
     async def refit(self, weights_path: str, version: str) -> dict[str, str]:
@@ -482,7 +483,7 @@ class FleetManager:
         Engines that die meanwhile are restarted by recovery straight onto the new version. Returns
         {engine: version served}; raises WeightVersionError if a live engine does not serve `version`.
         """
-        self._raise_if_fatal()
+        self.raise_if_fatal()
         prev = self.phase
         self.phase = Phase.REFIT
         self.monitor.pause()
