@@ -205,3 +205,74 @@ def test_recipe_section_is_validated_all_at_once():
     cfg = belayer_section(OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "recipes", "verl",
                                                       "router.yaml")).belayer)
     assert cfg.use_fault_tolerance and cfg.recovery.mode in ("stream", "chunked")
+
+
+class ScriptedAgent:
+    """A verl server manager whose 'model' runs a fixed script: step k appends a line to a file and shows it."""
+
+    def __init__(self, tokenizer, steps: int, on_step=None):
+        self.tok, self.steps, self.on_step = tokenizer, steps, on_step
+        self.calls = 0
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.calls += 1
+        k = self.tok.decode(prompt_ids).count("<returncode>")  # actions the context says are done
+        if self.on_step is not None:
+            self.on_step(k)
+        text = (f"```bash\necho step{k} >> /root/log && cat /root/log\n```" if k < self.steps
+                else "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+        return TokenOutput(token_ids=self.tok.encode(text, add_special_tokens=False), stop_reason="completed",
+                           extra_fields={})
+
+
+def test_sandbox_agent_loop_container_killed_mid_trajectory_restores_and_matches_fault_free(
+        tokenizer, tmp_path):
+    import shutil
+
+    if not shutil.which("podman"):
+        pytest.skip("podman not installed (bash .ci/setup_containers.sh)")
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+
+    from belayer_plugin.hooks.verl.agent_loop import SandboxAgentLoop, sandbox_from_config
+
+    config = _trainer_config()
+    config.belayer.sandbox = {"backend": "podman", "checkpoint_dir": str(tmp_path / "ck"), "exec_timeout_s": 20,
+                              "env_cache_dir": os.path.join(os.environ["BELAYER_CACHE_DIR"], "envs"),
+                              "policy": {"enabled": False, "every_n_actions": 1, "async_checkpoint": False}}
+    config.actor_rollout_ref.rollout.response_length = 512
+    made = []
+
+    def provider(tid, cfg):
+        out = sandbox_from_config(tid, cfg)
+        made.append(out[0])
+        return out
+
+    async def run(on_step=None):
+        agent = ScriptedAgent(tokenizer, 3, on_step)
+        loop = SandboxAgentLoop(trainer_config=DictConfigWrap(config), server_manager=agent, tokenizer=tokenizer,
+                                processor=None, dataset_cls=None, data_config=DictConfigWrap(config.data))
+        loop.sandbox_provider = provider
+        out = await asyncio.wait_for(loop.run({}, raw_prompt=[{"role": "user", "content": "log three steps"}]), 240)
+        return out, agent
+
+    golden, _ = asyncio.run(run())
+    g = golden.extra_fields["belayer_sandbox"]
+    assert g["recoveries"] == 0 and g["boundaries"] == 3
+    assert "step0\nstep1\nstep2" in g["messages"][-2]["content"]
+
+    killed = []
+
+    def kill_at_step_2(k):  # the container dies after two committed actions, before the third runs
+        if k == 2 and not killed:
+            killed.append(True)
+            made[-1].kill()
+
+    faulted, agent = asyncio.run(run(kill_at_step_2))
+    f = faulted.extra_fields["belayer_sandbox"]
+    assert killed and f["recoveries"] == 1
+    # prefix consistency: the same context, mask and environment state as without the fault
+    assert faulted.response_ids == golden.response_ids and faulted.response_mask == golden.response_mask
+    assert f["messages"] == g["messages"] and "step0\nstep1\nstep2" in f["messages"][-2]["content"]
+    assert agent.calls == 5, "only the action whose effect was lost is regenerated"
