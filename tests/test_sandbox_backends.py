@@ -55,6 +55,20 @@ def _live_container_ids() -> set[str]:
     return ids
 
 
+def _criu_pids() -> set[int]:
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if open(f"/proc/{d}/comm").read().strip() == "criu":
+                    st = open(f"/proc/{d}/stat").read()
+                    if st.split(")")[-1].split()[0] != "Z":  # zombies are already dead
+                        out.add(int(d))
+            except OSError:
+                pass
+    return out
+
+
 def test_exec_returns_stdout_stderr_and_exit_code(sandbox):
     r = sandbox.exec("echo out; echo err >&2; exit 7")
     assert (r.stdout, r.stderr, r.exit_code, r.timed_out) == ("out\n", "err\n", 7, False)
@@ -199,6 +213,7 @@ def test_failed_restore_leaves_nothing_of_the_half_restored_sandbox_running(back
     bad = _republish(store, ck, _truncate_pages)
     store.verify(bad)  # checksums are fine: only CRIU can tell
     before = _live_container_ids()
+    criu_before = _criu_pids()
     events: list[dict] = []
     with pytest.raises(RestoreError):
         # CRIU may hang on the damaged images: the restore timeout bounds it, then everything is killed
@@ -206,6 +221,11 @@ def test_failed_restore_leaves_nothing_of_the_half_restored_sandbox_running(back
                      timeout_s=8)
     assert backend.container_id("belayer-badrestore-" + backend.name) is None
     assert _live_container_ids() <= before  # no process of a new container survives
+    # ... and no CRIU left spinning on the damaged images (CRIU exits once its tasks are killed)
+    deadline = time.monotonic() + 15
+    while _criu_pids() - criu_before and time.monotonic() < deadline:
+        time.sleep(0.1)  # a killed process leaves /proc asynchronously; bounded by the deadline
+    assert not (_criu_pids() - criu_before)
     assert [e["kind"] for e in events] == ["restore_failed"]
     good = full_restore(ck, backend, store)  # the intact checkpoint still restores
     try:
