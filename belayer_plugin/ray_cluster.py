@@ -18,7 +18,13 @@ def init_ray(cfg: RayConfig, **extra: Any) -> Any:
     if cfg.address:
         return ray.init(address=cfg.address, namespace=cfg.namespace, **extra)
     # Without this Ray rewrites 127.0.0.1 to the first interface's address, and the cluster listens there.
+    # Ray reads the variable when it is imported: set it for the processes it starts, and patch the
+    # constant in this (already importing) process.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
     # Ray's socket paths must stay under 108 bytes: keep the per-run temp dir short.
     tmp = cfg.tmp_dir or tempfile.mkdtemp(prefix="belayer-ray-", dir="/tmp")
     kwargs: dict[str, Any] = dict(
