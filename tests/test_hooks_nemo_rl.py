@@ -179,3 +179,32 @@ def test_sandbox_environment_registers_through_the_registry_contract():
 
     cls = get_object(ACTOR_FQN)  # what NeMo-RL's create_env does with the FQN
     assert hasattr(cls, "options") and hasattr(cls, "remote")
+
+
+def test_chaos_engine_kill_paused_scenario_through_the_hook(ray_cluster, tiny_model, tmp_path):
+    """recipes/chaos/engine_kill_paused.yaml's fault (SIGKILL an engine's server at step 1 while paused with
+    memory released), injected by Belayer's ChaosInjector through the hook's `belayer.chaos` section."""
+    chaos = {"enabled": True, "scenario": "engine_kill_paused", "kind": "engine_server_kill", "trigger": "step",
+             "at": 1, "victim_state": "paused", "count": 1, "probability": 1.0}
+    knobs = {**KNOBS, "run_dir": str(tmp_path), "chaos": chaos}
+    gen = fault_tolerant(StandInSGLangGeneration)(None, _sglang_cfg(tiny_model, True, knobs))
+    try:
+        events = gen.belayer_events
+        gen.prepare_for_generation()  # step 1
+        golden = _generate_all(gen)
+        gen.finish_generation()  # the injector fires here
+        inject = [e for e in events.events if e.component == "chaos" and e.kind == "inject"]
+        assert len(inject) == 1 and inject[0].figures["phase"] == "paused"
+        loop = asyncio.new_event_loop()
+        try:
+            det = loop.run_until_complete(events.wait_for(
+                lambda e: e.kind == "detected" and e.component == "monitor", timeout=30, since=inject[0].t))
+        finally:
+            loop.close()
+        assert det.figures["phase"] == "released"
+        urls = gen.get_rollout_engine_urls()  # refit: recovery first
+        assert len(urls) == 2 and all(s.health.state.value == "HEALTHY" for s in gen.belayer_fleet.slots.values())
+        gen.prepare_for_generation()  # step 2
+        assert _generate_all(gen) == golden
+    finally:
+        gen.shutdown()

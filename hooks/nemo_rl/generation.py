@@ -15,7 +15,9 @@ weight-version fencing) and the NeMo-RL methods map onto it:
   URLs of the serving engines only;
 - a dead engine is deregistered from the router (and the removal confirmed) before it is killed; its
   replacement is registered only when HEALTHY at the current weight version;
-- `invalidate_kv_cache()` -> /flush_cache on every serving engine; `shutdown()` -> fleet.shutdown().
+- `invalidate_kv_cache()` -> /flush_cache on every serving engine; `shutdown()` -> fleet.shutdown();
+- `belayer.chaos` (off by default) injects Belayer's chaos kinds into this fleet; the `step` trigger counts
+  prepare_for_generation calls, `victim_state` paused/serving follows finish/prepare.
 NeMo-RL's own generate path is untouched: it posts to `router_ip:router_port`, which is the fleet's router.
 Knobs: `policy.generation.sglang_cfg.belayer` (a `belayer` section over recipes/belayer/default.yaml),
 validated at construction with every problem named at once.
@@ -81,6 +83,7 @@ class BelayerSGLangMixin:
     """Put before NeMo-RL's SGLangGeneration in the bases (see `fault_tolerant`)."""
 
     belayer_fleet: Any = None
+    belayer_chaos: Any = None
 
     def __init__(self, cluster: Any, sglang_cfg: dict, *args: Any, **kwargs: Any):
         self.belayer = belayer_config_from_sglang_cfg(sglang_cfg)
@@ -108,6 +111,10 @@ class BelayerSGLangMixin:
             self.belayer_loop.run(self.belayer_fleet.shutdown(), 120)
             self.belayer_loop.stop()
             raise
+        from belayer_plugin.hooks._chaos import attach_chaos
+
+        self.belayer_step = 0  # rollouts started (the chaos `step` trigger counts these)
+        self.belayer_chaos = attach_chaos(self.belayer, self.belayer_fleet)
         u = urlparse(self.belayer_fleet.url)
         self.router_ip, self.router_port = u.hostname, u.port
         self._router_actor = None
@@ -125,13 +132,20 @@ class BelayerSGLangMixin:
         if self.belayer_fleet is None:
             return super().prepare_for_generation(*args, **kwargs)
         self.belayer_loop.run(self.belayer_fleet.resume(), 600)
+        self.belayer_step += 1
+        self._chaos_phase("serving")
         return True
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
         if self.belayer_fleet is None:
             return super().finish_generation(*args, **kwargs)
         self.belayer_loop.run(self.belayer_fleet.pause(release_memory=self.needs_offload), 600)
+        self._chaos_phase("paused")
         return True
+
+    def _chaos_phase(self, phase: str) -> None:
+        if self.belayer_chaos is not None:
+            self.belayer_chaos.on_phase(phase, self.belayer_step)
 
     def get_rollout_engine_urls(self) -> list[str]:
         if self.belayer_fleet is None:
@@ -165,6 +179,8 @@ class BelayerSGLangMixin:
     def shutdown(self) -> bool:
         if self.belayer_fleet is None:
             return super().shutdown()
+        if self.belayer_chaos is not None:
+            self.belayer_chaos.stop()
         try:
             self.belayer_loop.run(self.belayer_fleet.shutdown(), 120)
         finally:
