@@ -126,6 +126,27 @@ async def test_kill_engine_actor_mid_rollout_agent_loop_ids_identical_and_replac
         assert await fm.recover_dead(5) == 0  # nothing left to recover: a no-op
         assert await _agent_loops(client, tokenizer, config) == golden
 
+        # belayer.chaos through the hook: Belayer's injector SIGKILLs a server process (its actor lives on)
+        from dataclasses import replace
+
+        from belayer_plugin.hooks._chaos import attach_chaos
+
+        chaos = replace(fm.cfg.chaos, enabled=True, kind="engine_server_kill", trigger="token", at=20, count=1,
+                        probability=1.0, victim_state="any")
+        inj = attach_chaos(replace(fm.cfg, chaos=chaos), fm, client.observers)
+        since = events.events[-1].t
+        try:
+            assert await _agent_loops(client, tokenizer, config) == golden
+        finally:
+            inj.stop()
+        assert inj.fired == 1
+        victim = next(e for e in events.events if e.component == "chaos" and e.t >= since).subject.split()[0]
+        await events.wait_for(lambda e: e.component == "verl" and e.kind == "evicted" and e.subject == victim,
+                              timeout=30, since=since)
+        await events.wait_for(lambda e: e.component == "verl" and e.kind == "admitted" and e.subject == victim,
+                              timeout=60, since=since)
+        assert len(await lb.get_all_servers.remote()) == 2
+
 
 class VerlProtocolServer:
     """A server actor with verl 0.9.1's server-actor generate signature, backed by one Belayer CPU engine."""
