@@ -6,8 +6,10 @@ toggle off is the wrapped class unchanged; finish_generation pauses with Ray liv
 killed while paused is detected, deregistered from the router, fenced and restarted before the next rollout);
 prepare_for_generation resumes; get_rollout_engine_urls recovers first and is a no-op when nothing died;
 NeMo-RL's own request shape (its generate_one_sample posts input_ids to router_ip:router_port) gets the same
-ids after recovery; the environment registers through a registry with register_env's contract.
-Not verified: NeMo-RL's real classes, its refit (stream_weights_via_http), its rollout loop.
+ids after recovery; the environment registers through a registry with register_env's contract, and its step()
+survives a real container kill consistently; recipes/nemo_rl/belayer.yaml validates.
+Not verified: NeMo-RL's real classes, its refit (stream_weights_via_http), its rollout loop, create_env's
+runtime_env/py_executable handling.
 """
 
 from __future__ import annotations
@@ -97,6 +99,18 @@ def test_toggle_and_knobs_validated_all_at_once(tiny_model):
     cfg = belayer_config_from_sglang_cfg(_sglang_cfg(tiny_model, True))
     assert cfg.use_fault_tolerance and cfg.engines.model_path == tiny_model
     assert not belayer_config_from_sglang_cfg({"sglang_cfg": {"model_path": tiny_model}}).use_fault_tolerance
+
+
+def test_shipped_recipe_validates():
+    import yaml
+
+    from belayer_plugin.config import recipes_dir
+    from belayer_plugin.hooks._config import belayer_section
+
+    r = yaml.safe_load((recipes_dir() / "nemo_rl" / "belayer.yaml").read_text())
+    cfg = belayer_config_from_sglang_cfg(r["policy"]["generation"])
+    assert cfg.use_fault_tolerance and cfg.engines.kind == "sglang" and cfg.router.mode == "sglang_router"
+    assert belayer_section(r["env"]["belayer_sandbox"]["belayer"]).sandbox.backend == "podman"
 
 
 def test_toggle_off_is_the_wrapped_class_unchanged(tiny_model):
@@ -208,3 +222,51 @@ def test_chaos_engine_kill_paused_scenario_through_the_hook(ray_cluster, tiny_mo
         assert _generate_all(gen) == golden
     finally:
         gen.shutdown()
+
+
+def test_sandbox_environment_step_survives_a_container_kill_consistently(tmp_path):
+    """NeMo-RL's env.step contract on a real podman sandbox: a container killed between actions is restored
+    to the last committed boundary; the failed command is reported as not applied and the episode goes on
+    with the environment as the message log says."""
+    import shutil
+
+    if not shutil.which("podman"):
+        pytest.skip("podman not installed (bash .ci/setup_containers.sh)")
+    from belayer_plugin.hooks.nemo_rl import SandboxEnvironment
+    from belayer_plugin.hooks.verl.agent_loop import sandbox_from_config
+
+    made = []
+
+    def provider(tid, cfg):
+        out = sandbox_from_config(tid, cfg)
+        made.append(out[0])
+        return out
+
+    env = SandboxEnvironment({"belayer": {
+        "use_fault_tolerance": True,
+        "sandbox": {"backend": "podman", "checkpoint_dir": str(tmp_path / "ck"), "exec_timeout_s": 20,
+                    "env_cache_dir": os.path.join(os.environ["BELAYER_CACHE_DIR"], "envs"),
+                    "policy": {"enabled": False, "every_n_actions": 1, "async_checkpoint": False}}}}, provider)
+    log = [{"role": "user", "content": "log steps"}]
+    meta = [{"trajectory_id": "t0"}]
+
+    def act(k):
+        log.append({"role": "assistant", "content": f"```bash\necho step{k} >> /root/log && cat /root/log\n```"})
+        ret = env.step([log], meta)
+        log.append(ret.observations[0])
+        meta[0] = ret.metadata[0]
+        return ret
+
+    try:
+        act(0), act(1)
+        made[-1].kill()  # the container dies before the third command
+        ret = act(2)
+        assert not bool(ret.terminateds[0]) and "not applied" in ret.observations[0]["content"]
+        assert ret.metadata[0]["belayer"] == {"recovered": True, "restored_boundary": 2, "failed_boundary": 2,
+                                              "inconsistent": False}
+        ret = act(2)  # the agent issues it again on the restored environment
+        assert ret.observations[0]["content"].endswith("step0\nstep1\nstep2\n")
+        log.append({"role": "assistant", "content": "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})
+        assert bool(env.step([log], meta).terminateds[0])
+    finally:
+        env.shutdown()

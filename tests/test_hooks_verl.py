@@ -226,6 +226,11 @@ def test_recipe_section_is_validated_all_at_once():
     cfg = belayer_section(OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "recipes", "verl",
                                                       "router.yaml")).belayer)
     assert cfg.use_fault_tolerance and cfg.recovery.mode in ("stream", "chunked")
+    addition = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "recipes", "verl", "belayer.yaml"))
+    assert belayer_section(addition.belayer).recovery.chunk_tokens == 64
+    from belayer_plugin.hooks.verl import router_config_path
+
+    assert os.path.isfile(router_config_path())
 
 
 class ScriptedAgent:
