@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     env = args.env or ("busybox" if args.quick else "python")
     n = args.actions or (8 if args.quick else 16)
-    gen_s = args.gen_s if args.gen_s is not None else (1.0 if args.quick else 3.0)
+    gen_s = args.gen_s if args.gen_s is not None else (2.0 if args.quick else 3.0)
     repeats = args.repeats or (1 if args.quick else 3)
     logging.basicConfig(level=logging.WARNING)
 
@@ -137,8 +137,9 @@ def main(argv=None) -> int:
         print(f"env={env} backend={backend.name} actions={n} gen_s={gen_s} mode={args.mode} repeats={repeats}")
 
         # -- 1. recovery at several failure points -------------------------------------------------
-        points = sorted({max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4), n})
-        every = 2  # checkpoint every 2 actions in this part, so some regeneration remains after a restore
+        every = 2  # checkpoint every 2 actions in this part
+        # failures right after a checkpoint and between two (then one action is regenerated after the restore)
+        points = sorted({min(n, max(1, n // 4) + 1), max(1, n // 2), min(n, 3 * n // 4 + 1), n})
         print(f"\n[recovery] checkpoint every {every} actions; failure after action k")
         print(f"{'k':>4} {'ck_at':>6} {'restore_s':>10} {'regen_after_s':>14} {'full_restore_total_s':>21} "
               f"{'rebuild_total_s':>16} {'ratio':>7}")

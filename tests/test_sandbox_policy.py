@@ -147,3 +147,31 @@ async def test_future_is_awaitable_from_asyncio():
     assert await asyncio.wrap_future(fut) == "ck7"
     assert await p.wait_ready_async() == 0.0
     p.close()
+
+
+def test_measured_visible_waits_raise_the_overhead_estimate_and_hidden_ones_lower_it():
+    release = threading.Event()
+    clock = FakeClock()
+
+    def ck(b):
+        assert release.wait(10)
+        return "ck"
+
+    p = CheckpointPolicy(ck, failure_prob=1.0, min_overhead_s=0.0, async_checkpoint=True, overhead_ema=0.5,
+                         clock=clock)
+    p.note_work(1.0, action_done=True)
+    p.maybe_checkpoint_async(1)
+
+    def finish_later():
+        clock.t += 2.0  # the agent waits 2 s for this checkpoint
+        release.set()
+
+    threading.Timer(0.01, finish_later).start()
+    p.wait_ready(timeout=10)
+    assert p.measured_visible_s == pytest.approx(1.0)
+    assert visible_overhead(p.inputs(2)) == pytest.approx(1.0)
+    p.note_work(5.0, action_done=True)
+    p.maybe_checkpoint_async(2).result(timeout=10)  # finishes before the agent needs the sandbox
+    assert p.wait_ready() == 0.0
+    assert p.measured_visible_s == pytest.approx(0.5)
+    p.close()

@@ -38,6 +38,7 @@ class PolicyInputs:
     cooldown_left_s: float
     in_flight: bool
     enabled: bool = True
+    measured_visible_s: float = 0.0  # running estimate of what each checkpoint actually made the agent wait
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ class Decision:
 def visible_overhead(inp: PolicyInputs) -> float:
     """What the agent is expected to wait for if it checkpoints now."""
     hidden = inp.est_generation_s if inp.async_checkpoint else 0.0
-    return max(inp.min_overhead_s, inp.est_checkpoint_s - hidden)
+    # The prediction can be optimistic (checkpoint times vary); what the agent really waited counts too.
+    return max(inp.min_overhead_s, inp.est_checkpoint_s - hidden, inp.measured_visible_s)
 
 
 def decide(inp: PolicyInputs) -> Decision:
@@ -113,6 +115,8 @@ class CheckpointPolicy:
         self.clock = clock
         self.est_checkpoint_s = initial_checkpoint_s
         self.est_generation_s = 0.0
+        self.measured_visible_s = 0.0
+        self._waited_for_current = False
         self.work_since_last_s = 0.0
         self.actions_since_last = 0
         self.cooldown_until = 0.0
@@ -157,7 +161,8 @@ class CheckpointPolicy:
                                 async_checkpoint=self.async_checkpoint, min_overhead_s=self.min_overhead_s,
                                 every_n_actions=self.every_n_actions,
                                 cooldown_left_s=max(0.0, self.cooldown_until - self.clock()),
-                                in_flight=self._future is not None and not self._future.done(), enabled=self.enabled)
+                                in_flight=self._future is not None and not self._future.done(), enabled=self.enabled,
+                                measured_visible_s=self.measured_visible_s)
 
     def maybe_checkpoint_async(self, boundary: int) -> Optional[concurrent.futures.Future]:
         """Decides; if yes, starts the checkpoint (in the background when async) and returns its future.
@@ -183,6 +188,7 @@ class CheckpointPolicy:
             self.stats.visible_wait_s += self.clock() - t0
         with self._lock:
             self._future = fut
+            self._waited_for_current = not self.async_checkpoint
         return fut
 
     def _run(self, boundary: int, covered: tuple[float, int]) -> Any:
@@ -225,15 +231,22 @@ class CheckpointPolicy:
         """Blocks until no checkpoint is in flight (bounded by `timeout`); returns the visible wait in seconds."""
         with self._lock:
             fut = self._future
-        if fut is None or fut.done():
+        if fut is None:
             return 0.0
-        t0 = self.clock()
-        try:
-            fut.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            pass
-        waited = self.clock() - t0
-        self.stats.visible_wait_s += waited
+        waited = 0.0
+        if not fut.done():
+            t0 = self.clock()
+            try:
+                fut.result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                pass
+            waited = self.clock() - t0
+            self.stats.visible_wait_s += waited
+        with self._lock:
+            # The first wait after each checkpoint is what it cost the agent (zero when fully hidden).
+            if fut is self._future and not self._waited_for_current and fut.done():
+                self._waited_for_current = True
+                self.measured_visible_s = (1 - self.alpha) * self.measured_visible_s + self.alpha * waited
         return waited
 
     async def wait_ready_async(self, timeout: Optional[float] = None) -> float:
