@@ -352,7 +352,10 @@ class FleetManager:
     async def _match_phase(self, s: Slot) -> None:
         """A replacement joins in the fleet's phase (e.g. memory released while the trainer trains)."""
         if self.memory_released and self.phase is not Phase.REFIT:
-            await s.actor.call.remote("POST", "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
+            try:
+                await s.actor.call.remote("POST", "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
+            except Exception as e:  # it died again: Ray liveness reports it and recovery goes on
+                self.events.emit("fleet", s.slot_id, "release_failed", f"{type(e).__name__}"[:200], level="warning")
 
     async def _recover(self, s: Slot) -> None:
         """DEAD: deregister (confirmed), kill, then restart under the policy or retire."""
