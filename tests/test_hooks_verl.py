@@ -302,3 +302,18 @@ def test_sandbox_agent_loop_container_killed_mid_trajectory_restores_and_matches
     assert faulted.response_ids == golden.response_ids and faulted.response_mask == golden.response_mask
     assert f["messages"] == g["messages"] and "step0\nstep1\nstep2" in f["messages"][-2]["content"]
     assert agent.calls == 5, "only the action whose effect was lost is regenerated"
+
+
+def test_external_module_loads_through_verls_own_env_var():
+    import subprocess
+    import sys
+
+    code = ("from verl.experimental.agent_loop.agent_loop import _agent_loop_registry as r; "
+            "from verl.workers.rollout.router import _resolve_router_class as f; "
+            "print(r['belayer_sandbox_agent']['_target_'], f('belayer_plugin.hooks.verl.BelayerLoadBalancer').__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "VERL_USE_EXTERNAL_MODULES": "belayer_plugin.hooks.verl"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["belayer_plugin.hooks.verl.agent_loop.SandboxAgentLoop", "BelayerLoadBalancer"]
+    loops = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "recipes", "verl", "agent_loops.yaml")))
+    assert loops == [{"name": "belayer_sandbox_agent", "_target_": out.stdout.split()[0]}]
