@@ -95,7 +95,7 @@ async def test_sigkill_while_paused_is_detected_and_replaced(tmp_path, tiny_mode
         det = await fm.events.wait_for(ev("detected", "engine-1"), 5, since=t0)
         assert det.figures["phase"] == "paused" and det.t - t0 < 1.0
         await _recovered(fm, "engine-1", t0)
-        assert fm.monitor.probes_sent == probes, "readiness probes ran while paused"
+        assert fm.monitor.probes_sent == probes, "/health_generate probes ran while paused"
         await fm.resume()
         await _assert_routable(fm, "engine-1")
 
@@ -234,5 +234,24 @@ async def test_an_engine_serving_another_version_is_fenced_never_silently_used(t
         assert rogue.url not in await fm.router.worker_urls()
         await _recovered(fm, "engine-0", t0)
         assert await fm.slots["engine-0"].actor.weight_version.remote() == "v1"
-        with pytest.raises(WeightVersionError):
+        with pytest.raises(WeightVersionError, match="no engine could load"):
             await fm.refit(str(tmp_path / "does-not-exist"), "v2")
+
+
+async def test_a_hung_engine_is_found_while_paused_without_generate_probes(tmp_path, tiny_model):
+    async with running_fleet(tmp_path, tiny_model) as fm:
+        await fm.pause(release_memory=True)
+        gen_probes = fm.monitor.probes_sent
+        old = fm.slots["engine-1"].info
+        t0 = time.time()
+        os.kill(old.pid, signal.SIGSTOP)
+        try:
+            det = await fm.events.wait_for(ev("detected", "engine-1"), 10, since=t0)
+            assert det.figures["phase"] == "released" and "/get_model_info" in det.reason
+            await _recovered(fm, "engine-1", t0)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old.pid, signal.SIGKILL)
+        assert fm.monitor.probes_sent == gen_probes, "/health_generate probes ran while paused"
+        await fm.resume()
+        await _assert_routable(fm, "engine-1")

@@ -334,9 +334,11 @@ class FleetManager:
             if self.memory_released:
                 # Weights must be resident to be replaced (SGLang: resume the weights, not yet the KV cache).
                 await s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
-            r = await s.actor.call.remote("POST", "/update_weights_from_disk",
-                                          {"model_path": path, "weight_version": want.version}, 600.0)
-            version = await s.actor.weight_version.remote()
+            # Bounded: a hung engine must not hold the refit (and the whole step) hostage.
+            r = await asyncio.wait_for(s.actor.call.remote(
+                "POST", "/update_weights_from_disk", {"model_path": path, "weight_version": want.version},
+                self.cfg.engines.startup_timeout_s), self.cfg.engines.startup_timeout_s)
+            version = await asyncio.wait_for(s.actor.weight_version.remote(), self.cfg.monitor.liveness_timeout_s * 5)
         except Exception as e:  # the engine died mid-refit: liveness reports it; nothing to do here
             self.events.emit("fleet", s.slot_id, "refit_failed", f"{type(e).__name__}: {e}"[:300], level="warning",
                              version=want.version)
@@ -483,8 +485,9 @@ class FleetManager:
     async def refit(self, weights_path: str, version: str) -> dict[str, str]:
         """Loads new policy weights into every engine and verifies each reports `version`.
 
-        Engines that die meanwhile are restarted by recovery straight onto the new version. Returns
-        {engine: version served}; raises WeightVersionError if a live engine does not serve `version`.
+        Engines that die meanwhile are restarted by recovery straight onto the new version; a live engine
+        that does not serve it is an error event, deregistered and fenced (restarted onto it), never used.
+        Returns {engine: version served}; raises WeightVersionError when no engine could load `version`.
         """
         self.raise_if_fatal()
         prev = self.phase
@@ -515,9 +518,10 @@ class FleetManager:
         served = {sid: s.served_version for sid, s in self.slots.items() if s.health.serving}
         self.events.emit("fleet", "fleet", "refit_done", f"to {version}", version=version, engines=served,
                          mismatched=bad)
-        if bad:
-            raise WeightVersionError(f"engines {bad} did not load weight version {version}; they were fenced "
-                                     "and are being restarted onto it")
+        if targets and not served:
+            # Not one engine could load it: the weights, not the engines, are at fault.
+            raise WeightVersionError(f"no engine could load weight version {version} from {weights_path}; "
+                                     f"engines {bad} were fenced")
         return served
 
     async def _alive(self, s: Slot) -> bool:

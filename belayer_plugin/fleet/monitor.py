@@ -5,9 +5,10 @@ Two independent signals, as NeMo-RL's review taught:
   `wait_exit()` call per engine actor. It returns when the server process exits and raises when the actor
   dies, so a SIGKILL is seen in milliseconds and no probe is needed for it.
 - Readiness from `/health_generate`, only while serving (it generates a token, so probing an offloaded or
-  refitting engine would fail and kill a healthy engine). Each engine is probed by its own task, so one
-  slow engine never delays another; a failed probe is retried at once, so a hung engine is declared dead
-  within probe_interval_s + failure_threshold x probe_timeout_s.
+  refitting engine would fail and kill a healthy engine); outside serving a light probe
+  (`/get_model_info`, no generation) still finds a hung server. Each engine is probed by its own task, so
+  one slow engine never delays another; a failed probe is retried at once, so a hung engine is declared
+  dead within probe_interval_s + failure_threshold x probe_timeout_s, in every phase.
 The boot grace is an absolute deadline armed when an incarnation is watched, never by resume().
 """
 
@@ -50,7 +51,8 @@ class HealthMonitor:
         self._epoch = 0  # bumped by pause(): a probe that started before a pause reports nothing
         self._client = httpx.AsyncClient()
         self._stopped = False
-        self.probes_sent = 0
+        self.probes_sent = 0  # /health_generate: only ever while serving
+        self.light_probes_sent = 0  # /get_model_info: while paused, released or refitting
 
     @property
     def serving(self) -> bool:
@@ -121,13 +123,14 @@ class HealthMonitor:
 
     async def _readiness(self, w: _Watch) -> None:
         while True:
-            await self._serving.wait()
-            if not self._serving.is_set():
-                continue  # woken by a resume() that a pause() already undid
             epoch = self._epoch
-            ok, reason = await self._probe(w.url)
-            if epoch != self._epoch or not self._serving.is_set():
-                continue  # the phase changed mid-probe: the result says nothing about a serving engine
+            # Serving: /health_generate proves the engine generates. Paused, offloaded or mid-refit it
+            # must not be asked to generate (that killed healthy engines elsewhere), but a hung server
+            # must still be found: /get_model_info is answered by the HTTP front without generating.
+            path = "/health_generate" if self._serving.is_set() else "/get_model_info"
+            ok, reason = await self._probe(w.url, path)
+            if epoch != self._epoch:
+                continue  # the phase changed mid-probe: the result is about the other kind of probe
             if ok:
                 await self._emit(w, Signal.PROBE_OK, "")
                 await asyncio.sleep(self.cfg.probe_interval_s)  # the probe period, not synchronisation
@@ -137,15 +140,18 @@ class HealthMonitor:
                 await self._emit(w, Signal.PROBE_FAILED, reason)
                 # no pause after a failure: confirm or clear the suspicion at once
 
-    async def _probe(self, url: str) -> tuple[bool, str]:
-        self.probes_sent += 1
+    async def _probe(self, url: str, path: str) -> tuple[bool, str]:
+        if path == "/health_generate":
+            self.probes_sent += 1
+        else:
+            self.light_probes_sent += 1
         try:
-            r = await self._client.get(f"{url}/health_generate", timeout=self.cfg.probe_timeout_s)
-            return (True, "") if r.status_code == 200 else (False, f"/health_generate HTTP {r.status_code}")
+            r = await self._client.get(f"{url}{path}", timeout=self.cfg.probe_timeout_s)
+            return (True, "") if r.status_code == 200 else (False, f"{path} HTTP {r.status_code}")
         except httpx.TimeoutException:
-            return False, f"/health_generate timed out after {self.cfg.probe_timeout_s:g} s"
+            return False, f"{path} timed out after {self.cfg.probe_timeout_s:g} s"
         except httpx.HTTPError as e:
-            return False, f"/health_generate {type(e).__name__}"
+            return False, f"{path} {type(e).__name__}"
 
     async def stop(self) -> None:
         """Cancels every watch and waits for the tasks to end; safe with probes in flight."""
