@@ -134,6 +134,8 @@ async def run_trajectory(*, traj_id: str, traj_index: int, step: int, prompt_ids
                             boundary=rb.boundary, discarded=rb.discarded_actions, restore_s=round(rb.restore_s, 3))
                 continue
             res.env_s += time.monotonic() - t1
+            if policy is not None:
+                policy.note_work(time.monotonic() - t1, kind="action", action_done=True)
             obs = tokenizer(result.output.strip()[:48] or "ok")["input_ids"]
             actions.append(action)
             mask = mask + [1] * len(out) + [0] * len(obs)

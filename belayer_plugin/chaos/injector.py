@@ -63,6 +63,18 @@ class ChaosInjector:
         else:  # the first restore after a kill is itself killed; recovery must retry it
             faults = [Fault("restore", 1, 0.05)]
         self.faulty_backend = FaultyBackend(backend, faults)
+        events, kind = self.events, self.cfg.kind
+
+        class _Announced(list):
+            # FaultyBackend appends a fault here right before it kills the container: say so in the events
+            def append(self, f: Any) -> None:
+                super().append(f)
+                events.emit("chaos", f"sandbox-{f.phase}", "inject", f"container killed {f.delay_s:g} s into "
+                            f"{f.phase} call #{f.nth}", level="warning", fault=kind)
+
+        self.faulty_backend.fired = _Announced()
+        with self._lock:
+            self.fired = self.cfg.count  # the backend fires these faults itself
         self.faulty_backend.arm()
         return self.faulty_backend
 
