@@ -3,38 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
 from pathlib import Path
 
 import httpx
-import pytest
 
-from belayer_plugin.events import EventLog
-from belayer_plugin.fleet.manager import FleetManager
 from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
 from belayer_plugin.generation.sglang_http import generate, get_json
-from tests.conftest import belayer_cfg
-from tests.test_fleet_recovery import FAST
+from tests.test_fleet_recovery import running_fleet
 
 PROMPTS = [[54, 280, 487, 423, 442], [60, 61, 62], [100, 200, 300, 400]]
 N = 200
 GREEDY = {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}
-SHADOW = [*FAST, "belayer.shadow.num_standby=1", "belayer.engines.cpu_step_delay_ms=2",
+SHADOW = ["belayer.shadow.num_standby=1", "belayer.engines.cpu_step_delay_ms=2",
           "belayer.recovery.stall_timeout_s=5"]
 
 
-@contextlib.asynccontextmanager
-async def fleet(tmp_path, tiny_model, *overrides):
-    cfg = belayer_cfg(*SHADOW, *overrides)
-    fm = FleetManager(cfg, tmp_path, EventLog(tmp_path / "events.jsonl"), model_path=tiny_model)
-    try:
-        await fm.start()
-        yield fm
-    finally:
-        await fm.shutdown()
+def fleet(tmp_path, tiny_model, *overrides):
+    return running_fleet(tmp_path, tiny_model, *SHADOW, *overrides)
 
 
 def ev(kind, subject=None):
