@@ -20,6 +20,7 @@ class FleetMetrics:
         self.state = Gauge("belayer_engine_state", "1 for the engine's current health state", ["engine", "state"], registry=r)
         self.transitions = Counter("belayer_engine_transitions", "health transitions", ["to_state"], registry=r)
         self.restarts = Counter("belayer_engine_restarts", "engine restarts", registry=r)
+        self.handovers = Counter("belayer_shadow_handovers", "standby handovers", registry=r)
         self.retired = Counter("belayer_engines_retired", "engines retired after their budget", registry=r)
         self.detection = Histogram("belayer_detection_seconds", "fault to DEAD", registry=r,
                                    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
@@ -37,8 +38,10 @@ class FleetMetrics:
         elif ev.kind == "refit_done":
             self.weight_version.clear()
             self.weight_version.labels(str(ev.figures.get("version"))).set(1)
-        if ev.kind == "detected" and "latency_s" in ev.figures:
-            self.detection.observe(float(ev.figures["latency_s"]))
+        if ev.kind == "detected" and "latency_from_first_symptom_s" in ev.figures:
+            self.detection.observe(float(ev.figures["latency_from_first_symptom_s"]))
+        elif ev.kind == "handover":
+            self.handovers.inc()
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Exposes /metrics on host:port (loopback by default); returns the port."""

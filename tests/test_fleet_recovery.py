@@ -84,6 +84,12 @@ async def test_sigkill_while_serving_is_detected_deregistered_replaced_stale_the
         assert new.url != old.url and old.url not in await fm.router.worker_urls()
         assert fm.states() == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}
         await _assert_routable(fm, "engine-0")
+        from prometheus_client import generate_latest
+
+        text = generate_latest(fm.metrics.registry).decode()
+        assert 'belayer_engine_transitions_total{to_state="DEAD"} 1.0' in text
+        assert "belayer_engine_restarts_total 1.0" in text
+        assert 'belayer_engine_state{engine="engine-0",state="HEALTHY"} 1.0' in text
 
 
 async def test_sigkill_while_paused_is_detected_and_replaced(tmp_path, tiny_model):

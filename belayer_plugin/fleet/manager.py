@@ -21,6 +21,7 @@ from typing import Any, Optional
 from belayer_plugin.config import BelayerConfig
 from belayer_plugin.engines.actor import EngineInfo, remote_engine_actor
 from belayer_plugin.events import EventLog
+from belayer_plugin.metrics import FleetMetrics
 from belayer_plugin.fleet.health import EngineHealth, Signal, State
 from belayer_plugin.fleet.launch import resolve_model_path
 from belayer_plugin.fleet.monitor import HealthMonitor
@@ -77,6 +78,8 @@ class FleetManager:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.events = events or EventLog(self.run_dir / "events.jsonl")
+        self.metrics = FleetMetrics()  # fed from events only; `metrics.serve()` exposes them on loopback
+        self.events.subscribe(self.metrics.on_event)
         self.model_path = model_path or resolve_model_path(cfg)
         self.engine_model_path = self.model_path  # the shared-memory copy when shadow.shared_weights
         self.ft = cfg.use_fault_tolerance  # off: engines run, but nothing watches, restarts or hands over
