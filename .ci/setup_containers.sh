@@ -11,7 +11,15 @@ set -euo pipefail
 CACHE=${BELAYER_CRIU_CACHE:-/var/cache/belayer-criu}
 CRIU_MIN=${BELAYER_CRIU_MIN:-4.2}
 CRIU_DST=/usr/local/sbin/criu
-SID_MIRROR=${BELAYER_SID_MIRROR:-${SYSTEM_APT_MIRROR}}
+# The Debian mirror this machine's apt already uses (never a hard-coded host).
+system_mirror() {
+  local u
+  u=$(grep -hs '^URIs:' /etc/apt/sources.list.d/*.sources | awk '{print $2}' | grep -v -- '-security' | head -1)
+  [ -n "$u" ] || u=$(grep -hs '^deb ' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
+                     | sed 's/\[[^]]*\] *//' | awk '{print $2}' | grep -v -- '-security' | head -1)
+  printf '%s' "$u"
+}
+SID_MIRROR=${BELAYER_SID_MIRROR:-$(system_mirror)}
 log() { printf '[setup_containers] %s\n' "$*"; }
 die() { printf '[setup_containers] ERROR: %s\n' "$*" >&2; exit 1; }
 

@@ -60,11 +60,36 @@ def build_busybox(root: Path) -> None:
     (root / "etc/hostname").write_text("sandbox\n")
 
 
+def system_mirror() -> str:
+    """The Debian mirror this machine's apt already uses (deb822 .sources or one-line .list files)."""
+    import glob
+    import re
+
+    for f in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")):
+        for line in Path(f).read_text().splitlines():
+            if line.startswith("URIs:"):
+                uri = line.split(None, 1)[1].split()[0]
+                if "-security" not in uri:
+                    return uri
+    for f in ["/etc/apt/sources.list", *sorted(glob.glob("/etc/apt/sources.list.d/*.list"))]:
+        try:
+            lines = Path(f).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            m = re.match(r"deb\s+(?:\[[^\]]*\]\s+)?(\S+)", line)
+            if m and "-security" not in m.group(1):
+                return m.group(1)
+    return ""
+
+
 def build_python(root: Path) -> None:
     """Debian bookworm minbase with python3-minimal (~235 MB, ~30 s with a nearby mirror)."""
     if not shutil.which("debootstrap"):
         raise RuntimeError("debootstrap not found: apt-get install debootstrap (or run .ci/setup_containers.sh)")
-    mirror = os.environ.get("BELAYER_DEBIAN_MIRROR", "${SYSTEM_APT_MIRROR}")
+    mirror = os.environ.get("BELAYER_DEBIAN_MIRROR") or system_mirror()
+    if not mirror:
+        raise RuntimeError("no Debian mirror in this machine's apt sources: set BELAYER_DEBIAN_MIRROR")
     cp = subprocess.run(["debootstrap", "--variant=minbase", "--include=python3-minimal", "bookworm", str(root),
                          mirror], capture_output=True, text=True, timeout=1800)
     if cp.returncode != 0:
