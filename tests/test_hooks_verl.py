@@ -194,7 +194,10 @@ async def test_verl_protocol_servers_kill_mid_rollout_evicts_and_resumes_and_tog
         assert not (await lb_off.get_status.remote())["use_fault_tolerance"]
 
         lb = get_router_handle(dict(actors), router_config_path=_router_yaml(tmp_path))
-        client = BelayerLLMServerClient(_trainer_config(), load_balancer_handle=lb)
+        # verl ships the client to its AgentLoopWorker actors: the copy must work on its own
+        client = ray.cloudpickle.loads(ray.cloudpickle.dumps(
+            BelayerLLMServerClient(_trainer_config(), load_balancer_handle=lb)))
+        assert client.belayer.use_fault_tolerance and client.observers == []
         killed: dict = {}
 
         def kill(clog, seg):

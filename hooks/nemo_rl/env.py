@@ -70,7 +70,7 @@ class SandboxEnvironment:
         found = COMMAND.search(text)
         if found is None or SUBMIT in text:
             self._close(tid)
-            return {"role": "user", "content": ""}, meta, 0.0, True
+            return {"role": "environment", "content": ""}, meta, 0.0, True
         sc = self.cfg.sandbox
         command = found.group(1).strip()
         try:
@@ -81,7 +81,7 @@ class SandboxEnvironment:
             pol.note_work(0.0, "generation", action_done=True)
             if self.cfg.use_fault_tolerance:
                 pol.maybe_checkpoint_async(b)
-            return {"role": "user", "content": f"<returncode>{res.exit_code}</returncode>\n{res.output}"}, meta, 0.0, False
+            return {"role": "environment", "content": f"<returncode>{res.exit_code}</returncode>\n{res.output}"}, meta, 0.0, False
         except SandboxError as e:
             if not self.cfg.use_fault_tolerance:
                 raise
@@ -93,8 +93,8 @@ class SandboxEnvironment:
                                "failed_boundary": rb.failed_boundary, "inconsistent": not consistent}
             if not consistent:
                 self._close(tid)
-                return {"role": "user", "content": "environment failure"}, meta, 0.0, True
-            return ({"role": "user", "content": "<returncode>-1</returncode>\nthe environment failed; the command "
+                return {"role": "environment", "content": "environment failure"}, meta, 0.0, True
+            return ({"role": "environment", "content": "<returncode>-1</returncode>\nthe environment failed; the command "
                      "was not applied and the environment is as after the previous command"}, meta, 0.0, False)
 
     def _close(self, tid: str) -> None:

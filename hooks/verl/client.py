@@ -46,8 +46,14 @@ class BalancerSelector:
 
     async def pick(self, exclude: set[str], timeout: float) -> Target:
         rid = _rid.get() or uuid.uuid4().hex
-        sid, handle = await self.balancer.acquire_server.remote(request_id=rid, exclude=sorted(exclude),
-                                                                wait_s=timeout)
+        try:
+            sid, handle = await self.balancer.acquire_server.remote(request_id=rid, exclude=sorted(exclude),
+                                                                    wait_s=timeout)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.as_instanceof_cause(), TypeError):
+                raise RuntimeError("BelayerLLMServerClient needs Belayer's balancer: set "
+                                   "actor_rollout_ref.rollout.router_config_path to recipes/verl/router.yaml") from e
+            raise
         self.handles[sid] = handle
         return Target(sid, sid)
 
@@ -64,9 +70,18 @@ class BelayerLLMServerClient(LLMServerClient):
         super().__init__(config=config, load_balancer_handle=load_balancer_handle, **kwargs)
         section = config.get("belayer") if hasattr(config, "get") else None
         self.belayer = belayer_section(section)
+        self._kwargs = kwargs
+        self._build(events)
+
+    def _build(self, events: Optional[EventLog]) -> None:
         rec = replace(self.belayer.recovery, mode="chunked")  # RPC backends commit per chunk
-        self.selector = BalancerSelector(load_balancer_handle)
+        self.selector = BalancerSelector(self._load_balancer)
         self.generator = ResumableGenerator(self.selector, rec, events, transport=self._transport)
+
+    def __reduce__(self):
+        # verl ships the client to every AgentLoopWorker actor: send config and balancer handle, rebuild there
+        # (the HTTP client, event log and observers are per process).
+        return (_rebuild, (type(self), self.config, self._load_balancer, self._kwargs))
 
     @property
     def observers(self) -> list:
@@ -129,6 +144,10 @@ class BelayerLLMServerClient(LLMServerClient):
             raise GenerateError(server_id, f"{type(e.as_instanceof_cause()).__name__}: {e}"[:300]) from e
         except asyncio.TimeoutError as e:
             raise GenerateError(server_id, f"no answer within {time.monotonic() - t0:.1f} s") from e
+
+
+def _rebuild(cls: type, config: Any, balancer: Any, kwargs: dict) -> "BelayerLLMServerClient":
+    return cls(config, balancer, **kwargs)
 
 
 def _is_belayer_engine(handle: Any) -> bool:
