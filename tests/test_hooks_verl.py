@@ -1,6 +1,7 @@
 """The verl 0.9.1 hook against real verl classes on CPU: its router factory builds Belayer's load balancer from a
-router YAML, verl's SingleTurnAgentLoop runs through BelayerLLMServerClient, server actors are backed by Belayer
-engines; a server is SIGKILLed mid-rollout and every trajectory completes with the fault-free ids."""
+router YAML; verl's SingleTurnAgentLoop and AgentLoopWorker.generate_sequences (with verl's own composed
+ppo_trainer config) run through BelayerLLMServerClient; server actors are backed by Belayer engines; a server is
+SIGKILLed mid-rollout and every trajectory completes with the fault-free ids (padded tensors identical)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 
 import pytest
+import torch
 import yaml
 
 pytest.importorskip("verl", reason="verl 0.9.1 not installed (bash .ci/setup_verl.sh)")
@@ -61,6 +63,38 @@ async def _agent_loops(client, tokenizer, config, messages=MESSAGES) -> list[lis
     return list(await asyncio.wait_for(asyncio.gather(*(one(m) for m in messages)), 120))
 
 
+def _verl_ppo_config(model: str, ft: bool = True):
+    """verl's own ppo_trainer config (Hydra-composed from the installed package) plus the recipe addition."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                               version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.name=sglang",
+            "actor_rollout_ref.rollout.prompt_length=64", f"actor_rollout_ref.rollout.response_length={RESPONSE}",
+            "actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.calculate_log_probs=true"])
+    GlobalHydra.instance().clear()
+    OmegaConf.set_struct(cfg, False)
+    cfg.belayer = {**BELAYER, "use_fault_tolerance": ft}
+    return cfg
+
+
+async def _worker_rollout(client, config) -> "object":
+    """verl's AgentLoopWorker.generate_sequences on a batch of the prompts (default single_turn_agent)."""
+    import numpy as np
+    from verl import DataProto
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    worker = AgentLoopWorker(config, client)
+    batch = DataProto.from_dict(non_tensors={"raw_prompt": np.array(
+        [[{"role": "user", "content": m}] for m in MESSAGES], dtype=object)})
+    out = await asyncio.wait_for(worker.generate_sequences(batch), 120)
+    return out.batch
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     from transformers import AutoTokenizer
@@ -98,6 +132,9 @@ async def test_kill_engine_actor_mid_rollout_agent_loop_ids_identical_and_replac
         config = _trainer_config()
         golden = await _agent_loops(client, tokenizer, config)
         assert len({tuple(g) for g in golden}) == len(golden), "prompts must give distinct responses"
+        # verl's AgentLoopWorker (its real rollout entry: batch in, padded DataProto out) over the same client
+        ppo = _verl_ppo_config(tiny_model)
+        worker_golden = await _worker_rollout(client, ppo)
 
         killed: dict = {}
 
@@ -125,6 +162,26 @@ async def test_kill_engine_actor_mid_rollout_agent_loop_ids_identical_and_replac
         assert len(servers) == 2 and ev.figures["url"] in servers and killed["url"] not in servers
         assert await fm.recover_dead(5) == 0  # nothing left to recover: a no-op
         assert await _agent_loops(client, tokenizer, config) == golden
+
+        # the same kill inside verl's AgentLoopWorker.generate_sequences: identical padded tensors
+        killed2: dict = {}
+
+        def kill2(clog, seg):
+            if not killed2 and clog.committed >= 12:
+                slot = fm.slot_for_url(seg.url)
+                killed2.update(slot=slot.slot_id)
+                os.kill(slot.info.actor_pid, signal.SIGKILL)
+
+        client.observers.append(kill2)
+        since = events.events[-1].t
+        faulted_batch = await _worker_rollout(client, ppo)
+        client.observers.remove(kill2)
+        assert killed2
+        for key in ("prompts", "responses", "response_mask", "attention_mask", "input_ids", "position_ids"):
+            assert torch.equal(faulted_batch[key], worker_golden[key]), key
+        assert int(worker_golden["response_mask"].sum()) > 4 * 16, "responses too short for a mid-rollout kill"
+        await events.wait_for(lambda e: e.component == "verl" and e.kind == "admitted"
+                              and e.subject == killed2["slot"], timeout=60, since=since)
 
         # belayer.chaos through the hook: Belayer's injector SIGKILLs a server process (its actor lives on)
         from dataclasses import replace
