@@ -97,7 +97,9 @@ async def run_trajectory(*, traj_id: str, traj_index: int, step: int, prompt_ids
         turn = 0
         while turn < loop_cfg.turns:
             sp = {"max_new_tokens": loop_cfg.tokens_per_turn, "temperature": loop_cfg.temperature,
-                  "seed": turn_seed(loop_cfg.seed, step, traj_index, turn), "ignore_eos": True}
+                  "ignore_eos": True}
+            if loop_cfg.temperature > 0:  # SGLang's name; the CPU engine accepts it too
+                sp["sampling_seed"] = turn_seed(loop_cfg.seed, step, traj_index, turn)
             t0 = time.monotonic()
             clog, resp = await gen.generate(f"{traj_id}-t{turn}", ctx, sp)
             res.gen_s += time.monotonic() - t0

@@ -179,11 +179,12 @@ class ResumableGenerator:
         params["max_new_tokens"] = n
         if "min_new_tokens" in params and params["min_new_tokens"]:
             params["min_new_tokens"] = max(0, int(params["min_new_tokens"]) - log.committed)
+        # Keep the caller's name for the seed: SGLang calls it sampling_seed and refuses `seed`.
+        key = "sampling_seed" if "sampling_seed" in sp else "seed"
         params.pop("sampling_seed", None)
+        params.pop("seed", None)
         if seed is not None:
-            params["seed"] = seed
-        else:
-            params.pop("seed", None)
+            params[key] = seed
         rid = log.rid if attempt == 0 else f"{log.rid}.r{attempt}"
         return {"input_ids": log.resume_input_ids(), "sampling_params": params, "rid": rid,
                 # Logprobs only when asked: cumulative stream chunks make them cost O(n^2) bytes.
