@@ -12,9 +12,9 @@ out=$(mktemp -d /tmp/belayer-chaos-XXXXXX)
 "$PY" -m belayer_plugin.cli run "$recipe" "belayer.run_dir=$out" "$@" || true   # the check below decides
 args=(--report "$out/report.json" --expect "$EXPECT")
 if [ "$EXPECT" = survival ]; then
-  # keyed by the recipes AND the code: a golden run made by other code must never be compared against
-  key=$(cat "$ROOT"/recipes/demo.yaml "$ROOT"/recipes/belayer/default.yaml \
-        $(find "$ROOT/belayer_plugin" "$ROOT/envs" -name '*.py' | sort) | sha1sum | cut -c1-12)
+  # keyed by the recipes, the overrides AND the code: a golden run made otherwise is never compared against
+  key=$( (echo "$*"; cat "$ROOT"/recipes/demo.yaml "$ROOT"/recipes/belayer/default.yaml \
+        $(find "$ROOT/belayer_plugin" "$ROOT/envs" -name '*.py' | sort)) | sha1sum | cut -c1-12)
   gdir=${BELAYER_GOLDEN_DIR:-/tmp/belayer-golden-$key}${GOLDEN_TAG:+-$GOLDEN_TAG}
   if [ ! -f "$gdir/report.json" ]; then
     "$PY" -m belayer_plugin.cli run "$recipe" "belayer.run_dir=$gdir.tmp" belayer.chaos.enabled=false "$@"
