@@ -3,16 +3,18 @@
 #   bash .ci/setup.sh             the Belayer venv (.venv): torch CPU, Ray, sglang-router, transformers ...
 #   bash .ci/setup.sh --sglang    also the real SGLang venv (.venv-sglang) and its stand-ins
 #   bash .ci/setup.sh --containers  also Podman, Docker, runc and CRIU >= 4.2
+#   bash .ci/setup.sh --verl      also verl 0.9.1 (into .venv) for the verl hook
 #   bash .ci/setup.sh --all       everything the test suite needs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-want_sglang=0; want_containers=0
+want_sglang=0; want_containers=0; want_verl=0
 for a in "$@"; do
   case "$a" in
     --sglang) want_sglang=1 ;;
     --containers) want_containers=1 ;;
-    --all) want_sglang=1; want_containers=1 ;;
+    --verl) want_verl=1 ;;
+    --all) want_sglang=1; want_containers=1; want_verl=1 ;;
     *) echo "setup.sh: unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -35,4 +37,5 @@ fi
 
 if [ $want_sglang = 1 ]; then bash .ci/setup_sglang.sh; fi
 if [ $want_containers = 1 ]; then bash .ci/setup_containers.sh; fi
+if [ $want_verl = 1 ]; then bash .ci/setup_verl.sh; fi
 log "done"
