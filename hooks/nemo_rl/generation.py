@@ -122,7 +122,8 @@ class BelayerSGLangMixin:
 
     def _init_nemo_rl_client_side(self, sglang_cfg: dict) -> None:
         """What NeMo-RL's generate path needs besides the router (its own helpers, from its own module)."""
-        mod = sys.modules.get(type(self).__mro__[2].__module__)  # the wrapped NeMo-RL class's module
+        mro = type(self).__mro__
+        mod = sys.modules.get(mro[mro.index(BelayerSGLangMixin) + 1].__module__)  # the wrapped class's module
         if mod is not None and hasattr(mod, "AsyncLoopThread") and hasattr(mod, "HttpClient"):
             self._async_loop = mod.AsyncLoopThread()
             self._http_client = mod.HttpClient(sglang_cfg)
