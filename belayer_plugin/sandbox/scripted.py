@@ -230,7 +230,8 @@ def run_trial(backend: Backend, image: str, seed: int, store_root: str | Path, n
         store = CheckpointStore(Path(store_root) / "ck", keep=2)
         rec = TrajectoryRecorder(tid, sb, store, checkpoint_mode=mode, checkpoint_timeout_s=20,
                                  restore_timeout_s=30, restore_retries=2, setup=setup_stated, on_event=events.append)
-        rec.start(tokens(0), messages(0))
+        # half the trials have no checkpoint at boundary 0: recovery before the first one rebuilds from the image
+        rec.start(tokens(0), messages(0), checkpoint=rng.random() < 0.5)
         policy = CheckpointPolicy(rec.checkpoint, failure_prob=1.0, min_overhead_s=0.0,
                                   every_n_actions=rng.choice([1, 1, 2]), async_checkpoint=rng.random() < 0.7,
                                   cooldown_s=0.0, enabled=False, subject=tid, on_event=events.append)
