@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -129,11 +130,11 @@ def main(argv=None) -> int:
         from belayer_plugin.sandbox.podman import PodmanBackend
 
         backend = PodmanBackend()
+    work = Path(tempfile.mkdtemp(prefix="belayer-bench-env-"))
     try:
         image = ensure_image(backend, env)
         spec = SandboxSpec(image=image, memory_mb=1024, pids_limit=256, command=get_env(env).command)
         setup = make_setup(env, args.hold_mb)
-        work = Path(tempfile.mkdtemp(prefix="belayer-bench-"))
         print(f"env={env} backend={backend.name} actions={n} gen_s={gen_s} mode={args.mode} repeats={repeats}")
 
         # -- 1. recovery at several failure points -------------------------------------------------
@@ -209,6 +210,7 @@ def main(argv=None) -> int:
               f"(goal >= 3.5x); visible overhead {vis_pct:.2f}% (goal <= 1%)")
         print(f"RESULT restore_s={r_s:.3f} rebuild_s={b_s:.3f} ratio={b_s / r_s:.2f} visible_overhead_pct={vis_pct:.3f}")
     finally:
+        shutil.rmtree(work, ignore_errors=True)
         if daemon is not None:
             daemon.stop()
     return 0
