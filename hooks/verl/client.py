@@ -126,6 +126,10 @@ class BelayerLLMServerClient(LLMServerClient):
         t0 = time.monotonic()
         try:
             if _is_belayer_engine(handle):
+                sp = body["sampling_params"]
+                if "seed" in sp:  # SGLang names it sampling_seed and refuses `seed` (Belayer's CPU engine takes both)
+                    body = {**body, "sampling_params": {**{k: v for k, v in sp.items() if k != "seed"},
+                                                        "sampling_seed": sp["seed"]}}
                 r = await asyncio.wait_for(handle.call.remote("POST", "/generate", body, timeout), timeout + 5)
                 if r["status"] != 200:
                     raise GenerateError(server_id, str(r["body"])[:500], r["status"], retriable=r["status"] >= 500)
