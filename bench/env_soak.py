@@ -62,6 +62,8 @@ def main(argv=None) -> int:
                 v = r.violations
                 stats["recoveries"] += r.recoveries
                 stats["faults_fired"] += r.faults_fired
+                for ph in r.fired_phases:
+                    stats[f"killed_during_{ph}"] += 1
                 stats["corrupted"] += int(r.corrupted is not None)
                 stats["corrupt_detected"] += int(any(e.get("kind") == "checkpoint_corrupt" for e in r.events))
                 stats["restore_failures"] += sum(1 for e in r.events if e.get("kind") == "restore_failed")

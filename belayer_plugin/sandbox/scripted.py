@@ -185,6 +185,7 @@ class TrialResult:
     corrupted: Optional[str]
     duration_s: float
     events: list[dict] = field(default_factory=list)
+    fired_phases: list[str] = field(default_factory=list)  # phases in which a kill actually fired
 
 
 def plan_faults(rng: random.Random, n_actions: int, ck_s: float = 0.5) -> list[Fault]:
@@ -298,4 +299,5 @@ def run_trial(backend: Backend, image: str, seed: int, store_root: str | Path, n
             if len(ref) >= 32 and cgroup_pids(ref):
                 violations.append(f"processes of container {ref[:12]} still running after the trial")
     n_rb = sum(1 for e in events if e.get("kind") == "rollback")
-    return TrialResult(seed, violations, n_rb, len(fb.faults), len(fb.fired), corrupted, time.monotonic() - t0, events)
+    return TrialResult(seed, violations, n_rb, len(fb.faults), len(fb.fired), corrupted, time.monotonic() - t0, events,
+                       [f.phase for f in fb.fired])
