@@ -44,6 +44,7 @@ MANIFEST = "MANIFEST.json"
 FS_FILE = "rootfs-diff.tar"
 FORMAT = 1
 MODES = ("full", "fs_only", "auto")
+_WARNED: set[str] = set()
 
 
 def _sha256(path: Path) -> str:
@@ -259,6 +260,9 @@ def full_checkpoint(sandbox: Sandbox, boundary: int, store: CheckpointStore, tra
     sink = on_event or sandbox.on_event
     real_mode, why = resolve_mode(sandbox.backend, mode)
     if why:
+        if why not in _WARNED:
+            _WARNED.add(why)
+            log.warning("sandbox checkpoints are FILE-SYSTEM ONLY (processes restart fresh after a restore): %s", why)
         _emit(sink, trajectory_id, "checkpoint_mode", f"CRIU unavailable, file-system only: {why}",
               requested=mode, mode=real_mode)
     t0 = time.monotonic()
