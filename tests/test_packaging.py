@@ -16,7 +16,7 @@ def _tree_packages() -> set[str]:
     found = set()
     for init in ROOT.glob("**/__init__.py"):
         rel = init.parent.relative_to(ROOT)
-        if rel.parts[0] in (".venv", ".venv-sglang", "tests", "bench", ".cache") or "sglang_standins" in rel.parts:
+        if rel.parts[0] in (".venv", ".venv-sglang", "tests", "bench", ".cache", "build") or "sglang_standins" in rel.parts:
             continue
         top = MAPPED.get(rel.parts[0], rel.parts[0])
         found.add(".".join([top, *rel.parts[1:]]))
