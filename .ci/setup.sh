@@ -20,6 +20,9 @@ for a in "$@"; do
 done
 PY=${BELAYER_PYTHON:-python3}
 log() { printf '[setup] %s\n' "$*"; }
+# This kind of machine's pip config names local index folders that may not exist: pip then warns once per
+# package. Drop only those lines (pipefail keeps pip's exit status).
+pip_q() { .venv/bin/python -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $($PY --version)"
@@ -28,9 +31,9 @@ fi
 stamp=.venv/.belayer-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ .ci/constraints.txt -nt "$stamp" ]; then
   log "installing Belayer and its dependencies into .venv"
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c .ci/constraints.txt "torch==2.13.0"
-  .venv/bin/python -m pip install -q -c .ci/constraints.txt -e ".[test]"
+  pip_q install -q --disable-pip-version-check --upgrade pip
+  pip_q install -q --disable-pip-version-check -c .ci/constraints.txt "torch==2.13.0"
+  pip_q install -q --disable-pip-version-check -c .ci/constraints.txt -e ".[test]"
   touch "$stamp"
 fi
 .venv/bin/python -c "import torch, ray, transformers, sglang_router, hydra; print('[setup] .venv ok: torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"
