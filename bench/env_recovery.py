@@ -13,6 +13,9 @@ env, a process holding --hold-mb of memory).
    time the agent waited for checkpoints, as a share of the rollout.
 
 Last line: RESULT restore_s=.. rebuild_s=.. ratio=.. visible_overhead_pct=..
+  restore_s: mean recovery time through full_restore (restore + regenerating the actions after the checkpoint)
+  rebuild_s: mean recovery time from the base image (fresh sandbox + set-up + regenerating all k actions)
+  ratio: rebuild_s / restore_s (goal >= 3.5); visible_overhead_pct: adaptive policy's visible wait / rollout
 """
 
 from __future__ import annotations
