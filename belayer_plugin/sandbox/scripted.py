@@ -276,6 +276,11 @@ def run_trial(backend: Backend, image: str, seed: int, store_root: str | Path, n
                     violations.append(f"rolled forward: {rb.boundary} > failed {rb.failed_boundary}")
         if final is not None and final != golden_state(n_actions):
             violations.append(f"final state differs from golden:\n{final!r}\n!=\n{golden_state(n_actions)!r}")
+        tdir = Path(store_root) / "ck" / tid
+        if tdir.is_dir():
+            partial = [p.name for p in tdir.iterdir() if p.name.startswith(".staging-")]
+            if partial:
+                violations.append(f"partial checkpoints left behind: {partial}")
         if corrupted:
             used = [e for e in events if e.get("kind") == "restore" and e.get("checkpoint") == corrupted]
             if used:
