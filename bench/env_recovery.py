@@ -113,9 +113,10 @@ def main(argv=None) -> int:
     ap.add_argument("--actions", type=int, default=None)
     ap.add_argument("--gen-s", type=float, default=None, help="simulated LLM generation time per action")
     ap.add_argument("--hold-mb", type=int, default=64)
-    ap.add_argument("--failure-prob", type=float, default=0.05)
+    ap.add_argument("--failure-prob", type=float, default=0.02, help="per action (the recipe's default)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--mode", choices=["full", "fs_only", "auto"], default="full")
+    ap.add_argument("--parts", default="recovery,overhead", help="comma list: recovery, overhead")
     args = ap.parse_args(argv)
     env = args.env or ("busybox" if args.quick else "python")
     n = args.actions or (8 if args.quick else 16)
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
         setup = make_setup(env, args.hold_mb)
         print(f"env={env} backend={backend.name} actions={n} gen_s={gen_s} mode={args.mode} repeats={repeats}")
 
+        parts = set(args.parts.split(","))
+        restore_tot, rebuild_tot, ck_durations, restore_only = [float("nan")], [float("nan")], [float("nan")], [float("nan")]
         # -- 1. recovery at several failure points -------------------------------------------------
         every = 2  # checkpoint every 2 actions in this part
         # failures right after a checkpoint and between two (then one action is regenerated after the restore)
@@ -147,8 +150,9 @@ def main(argv=None) -> int:
         print(f"\n[recovery] checkpoint every {every} actions; failure after action k")
         print(f"{'k':>4} {'ck_at':>6} {'restore_s':>10} {'regen_after_s':>14} {'full_restore_total_s':>21} "
               f"{'rebuild_total_s':>16} {'ratio':>7}")
-        restore_tot, rebuild_tot, ck_durations, restore_only = [], [], [], []
-        for rep in range(repeats):
+        if "recovery" in parts:
+            restore_tot, rebuild_tot, ck_durations, restore_only = [], [], [], []
+        for rep in range(repeats if "recovery" in parts else 0):
             sb = Sandbox.create(backend, spec, "bench")
             setup(sb)
             store = CheckpointStore(work / f"rec{rep}", keep=n + 1)
@@ -191,7 +195,7 @@ def main(argv=None) -> int:
         # -- 2. overhead: none vs synchronous every action vs adaptive async -------------------------
         print(f"\n[overhead] rollout of {n} actions, generation {gen_s}s each")
         res = {}
-        for kind in ("none", "sync_every", "adaptive"):
+        for kind in (("none", "sync_every", "adaptive") if "overhead" in parts else ()):
             runs = [rollout(backend, spec, setup, n, gen_s, work / f"roll-{kind}-{r}", args.mode, kind,
                             args.failure_prob) for r in range(repeats)]
             res[kind] = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
@@ -199,9 +203,10 @@ def main(argv=None) -> int:
             print(f"  {kind:>10}: rollout {v['total_s']:7.2f}s  checkpoints {v['checkpoints']:5.1f}  "
                   f"checkpoint time {v['checkpoint_s']:6.2f}s  visible wait {v['visible_s']:6.3f}s "
                   f"({100 * v['visible_s'] / v['total_s']:.2f}% of rollout)")
-        base = res["none"]["total_s"]
-        ad = res["adaptive"]
-        sync = res["sync_every"]
+        nan = {"total_s": float("nan"), "visible_s": float("nan"), "checkpoint_s": 0.0, "checkpoints": 0}
+        base = res.get("none", nan)["total_s"]
+        ad = res.get("adaptive", nan)
+        sync = res.get("sync_every", nan)
         hidden_pct = 100 * (1 - ad["visible_s"] / ad["checkpoint_s"]) if ad["checkpoint_s"] else 100.0
         print(f"  sync_every slows the rollout by {100 * (sync['total_s'] - base) / base:.1f}%; adaptive by "
               f"{100 * (ad['total_s'] - base) / base:.1f}%; adaptive hides {hidden_pct:.0f}% of its checkpoint time")
