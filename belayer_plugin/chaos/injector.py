@@ -73,8 +73,10 @@ class ChaosInjector:
                             f"{f.phase} call #{f.nth}", level="warning", fault=kind)
 
         self.faulty_backend.fired = _Announced()
-        with self._lock:
-            self.fired = self.cfg.count  # the backend fires these faults itself
+        if self.cfg.kind == "sandbox_kill_checkpoint":
+            with self._lock:
+                self.fired = self.cfg.count  # the backend fires this one itself; no trigger of ours
+        # sandbox_kill_restore: our trigger kills the sandbox; the backend then kills its first restore
         self.faulty_backend.arm()
         return self.faulty_backend
 
