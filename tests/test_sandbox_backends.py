@@ -55,17 +55,27 @@ def _live_container_ids() -> set[str]:
     return ids
 
 
-def _criu_pids() -> set[int]:
+def _criu_pids(container_id: str) -> set[int]:
+    """Live CRIU processes working for this container (found through their parents' command lines)."""
     out = set()
     for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                if open(f"/proc/{d}/comm").read().strip() == "criu":
-                    st = open(f"/proc/{d}/stat").read()
-                    if st.split(")")[-1].split()[0] != "Z":  # zombies are already dead
-                        out.add(int(d))
-            except OSError:
-                pass
+        if not d.isdigit():
+            continue
+        try:
+            if open(f"/proc/{d}/comm").read().strip() != "criu":
+                continue
+            pid = int(d)
+            if open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z":
+                continue  # zombies are already dead
+            for _ in range(5):  # criu <- runc / containerd-shim <- conmon: one of them names the container
+                if container_id.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                    out.add(int(d))
+                    break
+                pid = int(open(f"/proc/{pid}/stat").read().split(")")[-1].split()[1])
+                if pid <= 1:
+                    break
+        except (OSError, ValueError):
+            pass
     return out
 
 
@@ -212,21 +222,21 @@ def test_failed_restore_leaves_nothing_of_the_half_restored_sandbox_running(back
     ck = full_checkpoint(sandbox, 1, store, "t", mode="full")
     bad = _republish(store, ck, _truncate_pages)
     store.verify(bad)  # checksums are fine: only CRIU can tell
-    before = _live_container_ids()
-    criu_before = _criu_pids()
     events: list[dict] = []
-    with pytest.raises(RestoreError):
+    with pytest.raises(RestoreError) as err:
         # CRIU may hang on the damaged images: the restore timeout bounds it, then everything is killed
         full_restore(bad, backend, store, name="belayer-badrestore-" + backend.name, on_event=events.append,
                      timeout_s=8)
     assert backend.container_id("belayer-badrestore-" + backend.name) is None
-    assert _live_container_ids() <= before  # no process of a new container survives
+    cid = err.value.container_id
+    assert cid and len(cid) == 64  # the half-restored container existed ...
+    assert cgroup_pids(cid) == [] and cid not in _live_container_ids()  # ... and nothing of it survives
     # ... and no CRIU left spinning on the damaged images (CRIU exits once its tasks are killed)
     deadline = time.monotonic() + 15
-    while _criu_pids() - criu_before and time.monotonic() < deadline:
+    while _criu_pids(cid) and time.monotonic() < deadline:
         time.sleep(0.1)  # a killed process leaves /proc asynchronously; bounded by the deadline
-    assert not (_criu_pids() - criu_before)
-    assert [e["kind"] for e in events] == ["restore_failed"]
+    assert not _criu_pids(cid)
+    assert [e["kind"] for e in events] == ["restore_failed"] and events[0]["container_id"] == cid
     good = full_restore(ck, backend, store)  # the intact checkpoint still restores
     try:
         assert "mem:" in query_state(good)

@@ -55,6 +55,10 @@ class CheckpointCorrupt(CheckpointError):
 class RestoreError(SandboxError):
     """A restore failed; whatever it had started was killed and removed."""
 
+    def __init__(self, message: str, container_id: Optional[str] = None):
+        super().__init__(message)
+        self.container_id = container_id  # the half-restored container, if one was created
+
 
 class CriuUnavailable(SandboxError):
     """CRIU is missing or too old: only file-system checkpoints are possible."""

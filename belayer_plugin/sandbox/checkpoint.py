@@ -340,18 +340,19 @@ def full_restore(ck: Checkpoint, backend: Backend, store: Optional[CheckpointSto
             try:
                 untar_upper(ck.path / FS_FILE, backend.upper_dir(cid), timeout_s)
                 backend.start(cid)
-            except BaseException:
+            except BaseException as e:
                 _discard(backend, name, cid)
-                raise
+                raise RestoreError(f"{type(e).__name__}: {e}", cid) from e
         if not backend.is_running(cid):
             _discard(backend, name, cid)
-            raise RestoreError(f"restored container {name} is not running")
+            raise RestoreError(f"restored container {name} is not running", cid)
     except (SandboxError, OSError) as e:
+        cid_failed = getattr(e, "container_id", None)
         _emit(on_event, subject, "restore_failed", f"{type(e).__name__}: {e}", checkpoint=ck.id,
-              boundary=ck.boundary, mode=ck.mode, duration_s=time.monotonic() - t0)
+              boundary=ck.boundary, mode=ck.mode, duration_s=time.monotonic() - t0, container_id=cid_failed)
         if isinstance(e, RestoreError):
             raise
-        raise RestoreError(str(e)) from e
+        raise RestoreError(str(e), cid_failed) from e
     sb = Sandbox(backend, spec, cid, name, sandbox_id, exec_timeout_s, on_event)
     sb.processes_fresh = ck.mode != "full"
     _emit(on_event, subject, "restore", "fresh container from checkpoint", checkpoint=ck.id,

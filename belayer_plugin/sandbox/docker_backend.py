@@ -360,4 +360,4 @@ class DockerBackend:
         # container's lock while the restore hangs, so even inspect would wait; dead tasks make CRIU give up.
         kill_cgroup_leftovers(cid, timeout_s=10)
         self.discard(cid)
-        raise RestoreError(err)
+        raise RestoreError(err, cid)

@@ -223,8 +223,9 @@ class PodmanBackend:
             err = f"podman restore ran past {timeout_s:.1f}s"
         except subprocess.CalledProcessError as e:
             err = f"podman restore failed: {self._err(e)}"
+        cid = self.container_id(name)
         self.discard(name)
-        raise RestoreError(err)
+        raise RestoreError(err, cid)
 
     def discard(self, name: str) -> None:
         """Kills whatever a failed create/restore left (cgroup leftovers included) and removes it."""
