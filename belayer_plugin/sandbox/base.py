@@ -287,7 +287,8 @@ class Sandbox:
         tag = uuid.uuid4().hex[:16]
         with self.lock:
             res = self.backend.exec(self.container_id, argv, t + 10.0, cwd, {**(env or {}), EXEC_TAG_VAR: tag}, stdin)
-            if res.timed_out or res.duration_s >= t - 0.5:
+            hit_limit = res.timed_out or (res.exit_code in (124, 137) and res.duration_s >= t - 0.5)
+            if hit_limit:
                 kill_tagged(self.container_id, tag)
         if res.exit_code in (124, 125, 126, 127, 137, 255, -1) and not self.backend.is_running(self.container_id):
             raise SandboxDead(f"sandbox {self.sandbox_id}: container {self.name} is not running "
