@@ -92,7 +92,8 @@ def rollout(backend, spec, setup, n: int, gen_s: float, store_root: Path, mode: 
         rec.commit(tokens(i), messages(i))
         if pol:
             pol.note_work(time.monotonic() - et, "exec", action_done=True)
-            pol.maybe_checkpoint_async(rec.latest)
+            if i < n:  # after the last action nothing is left to protect (and no generation to hide behind)
+                pol.maybe_checkpoint_async(rec.latest)
     if pol:
         pol.wait_ready(timeout=120)
     total = time.monotonic() - t0
