@@ -48,6 +48,7 @@ class DockerDaemon:
 
     def __init__(self, base_dir: Optional[str | Path] = None, criu_path: str = ""):
         # Unix socket paths must stay under 108 bytes: keep the base short.
+        self._own_base = base_dir is None
         self.base = Path(base_dir or tempfile.mkdtemp(prefix="belayer-dockerd-", dir="/tmp"))
         self.socket = self.base / "d.sock"
         self.url = f"unix://{self.socket}"
@@ -115,6 +116,8 @@ class DockerDaemon:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.proc = None
+        if self._own_base:  # a temporary base we made: images and layers go with it
+            shutil.rmtree(self.base, ignore_errors=True)
 
     def __enter__(self) -> "DockerDaemon":
         return self.start()
