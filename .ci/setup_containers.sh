@@ -84,6 +84,7 @@ else
     trap 'rm -rf "$work"' EXIT
     # Private apt configuration: the system's sources.list stays untouched.
     mkdir -p "$work/apt/lists/partial" "$work/apt/cache/archives/partial" "$work/src"
+    [ -n "$SID_MIRROR" ] || die "no Debian mirror in this machine's apt sources: set BELAYER_SID_MIRROR"
     echo "deb-src [trusted=yes] $SID_MIRROR sid main" > "$work/apt/sources.list"
     aptopts=(-o "Dir::Etc::sourcelist=$work/apt/sources.list" -o "Dir::Etc::sourceparts=-"
              -o "Dir::State::Lists=$work/apt/lists" -o "Dir::Cache=$work/apt/cache"
