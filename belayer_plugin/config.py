@@ -111,6 +111,9 @@ class RouterConfig:
     # Belayer resumes failed requests itself (token level); the router's own retry restarts from token 0.
     disable_retries: bool = _req()
     health_check_interval_s: int = _req()
+    # Belayer owns readiness (its own parallel /health_generate probes); the router's checks only need the
+    # worker's HTTP front. SGLang's /health generates a token (~1 s on CPU), which delayed every join.
+    health_check_endpoint: str = _req()
     membership_timeout_s: float = _req()  # how long a /workers change may take to show up
 
     def problems(self) -> list[str]:

@@ -1,8 +1,9 @@
 """Shadow handover vs cold restart of the same engine kind, and what a standby costs in memory.
 
 For each engine kind (CPU engine; SGLang on CPU when .venv-sglang exists) the serving engine is SIGKILLed
-repeatedly; the figure is the time from detection (DEAD) to the slot serving again (HEALTHY, registered
-with the router, current weights), with one standby (handover) and with none (cold restart). Memory: the
+repeatedly; the figures are the time from detection (DEAD) to the slot HEALTHY with current weights
+(serving through Belayer's front or direct mode) and to its registration with sglang-router confirmed,
+with one standby (handover) and with none (cold restart). Memory: the
 unique resident memory (USS) of a standby's server process, with and without the shared-memory weights
 holder, for a model of --mem-hidden x --mem-layers (default ~85 MB of weights).
 Usage: python bench/handover.py [--quick] [--trials N] [--kinds cpu,sglang]
@@ -54,8 +55,9 @@ async def recoveries(kind: str, standby: int, trials: int, model: str) -> list[f
             slot = fm.slots["engine-0"]
             os.killpg(slot.info.pid, signal.SIGKILL)
             det = await fm.events.wait_for(lambda e: e.kind == "detected", 60, since=t0)
+            ok = await fm.events.wait_for(lambda e: e.kind == "transition" and e.to_state == "HEALTHY", 900, since=t0)
             reg = await fm.events.wait_for(lambda e: e.kind == "registered", 900, since=t0)
-            out.append(reg.t - det.t)
+            out.append((reg.t - det.t, ok.t - det.t))
     finally:
         await fm.shutdown()
     return out
@@ -106,10 +108,15 @@ def main() -> None:
                 continue
         ho = loop.run_until_complete(recoveries(kind, 1, trials, model))
         cold = loop.run_until_complete(recoveries(kind, 0, trials, model))
-        h, c = statistics.median(ho), statistics.median(cold)
-        print(f"{kind:7s} detected -> serving again: handover median {h:.3f} s | cold restart median {c:.2f} s | "
-              f"{c / h:.1f}x faster  (handover {', '.join(f'{x:.3f}' for x in ho)}; cold {', '.join(f'{x:.2f}' for x in cold)})")
-        figures.append(f"{kind}_handover_s={h:.3f} {kind}_cold_s={c:.2f} {kind}_ratio={c / h:.1f}")
+        h, c = statistics.median(x[0] for x in ho), statistics.median(x[0] for x in cold)
+        hh, ch = statistics.median(x[1] for x in ho), statistics.median(x[1] for x in cold)
+        print(f"{kind:7s} detected -> registered with the router: handover median {h:.3f} s | cold restart median "
+              f"{c:.2f} s | {c / h:.1f}x faster  (handover {', '.join(f'{x[0]:.3f}' for x in ho)}; "
+              f"cold {', '.join(f'{x[0]:.2f}' for x in cold)})")
+        print(f"{kind:7s} detected -> HEALTHY (serving through Belayer's front / direct mode): handover {hh:.3f} s | "
+              f"cold {ch:.2f} s | {ch / hh:.1f}x faster")
+        figures.append(f"{kind}_handover_s={h:.3f} {kind}_cold_s={c:.2f} {kind}_ratio={c / h:.1f} "
+                       f"{kind}_handover_healthy_s={hh:.3f} {kind}_healthy_ratio={ch / hh:.1f}")
     from belayer_plugin.engines.tiny_model import make_tiny
 
     mdir = Path(os.environ.get("BELAYER_CACHE_DIR", Path.home() / ".cache" / "belayer")) / \

@@ -44,7 +44,8 @@ class Router:
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
                 "--prometheus-host", host, "--prometheus-port", str(prom), "--policy", self.cfg.policy,
                 "--request-timeout-secs", str(self.cfg.request_timeout_s),
-                "--health-check-interval-secs", str(self.cfg.health_check_interval_s)]
+                "--health-check-interval-secs", str(self.cfg.health_check_interval_s),
+                "--health-check-endpoint", self.cfg.health_check_endpoint]
         if self.cfg.disable_retries:
             argv.append("--disable-retries")
         self.log_dir.mkdir(parents=True, exist_ok=True)
