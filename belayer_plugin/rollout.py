@@ -86,11 +86,11 @@ async def run_trajectory(*, traj_id: str, traj_index: int, step: int, prompt_ids
     res = TrajectoryResult(traj_id, list(prompt_ids), [], [], [], "", 0.0)
     policy: Optional[CheckpointPolicy] = None
     try:
+        # No checkpoint at boundary 0: a fresh container from the base image is that state already, and a
+        # synchronous checkpoint there would be visible overhead; the policy decides from boundary 1 on.
+        recorder.start(list(prompt_ids), [], checkpoint=False)
         if ft:
-            await asyncio.to_thread(recorder.start, list(prompt_ids), [], True)
             policy = CheckpointPolicy.from_config(sb_cfg.policy, recorder.checkpoint, subject=traj_id, on_event=on_event)
-        else:
-            recorder.start(list(prompt_ids), [], checkpoint=False)
         ctx = list(prompt_ids)
         mask = [0] * len(ctx)
         actions: list[str] = []
