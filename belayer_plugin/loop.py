@@ -13,8 +13,7 @@ import asyncio
 import statistics
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig
@@ -141,7 +140,6 @@ class ReferenceLoop:
         return rep
 
     async def _run(self) -> None:
-        import ray
         from transformers import AutoTokenizer
 
         from belayer_plugin.envs.build import ensure_image

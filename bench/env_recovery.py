@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import statistics
 import sys
@@ -183,7 +182,7 @@ def main(argv=None) -> int:
                 t = time.monotonic()
                 fresh = Sandbox.create(backend, spec, "bench-b")
                 setup(fresh)
-                regen_all = regenerate(fresh, 1, k, gen_s)
+                regenerate(fresh, 1, k, gen_s)
                 rebuild = time.monotonic() - t
                 assert query_state(fresh) == golden_state(k)
                 fresh.close()

@@ -14,7 +14,7 @@ import logging
 import os
 import signal as _signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 

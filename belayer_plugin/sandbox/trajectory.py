@@ -21,7 +21,6 @@ from belayer_plugin.sandbox.base import (
     Backend,
     CheckpointCorrupt,
     EventSink,
-    ExecResult,
     RestoreError,
     Sandbox,
     SandboxDead,
