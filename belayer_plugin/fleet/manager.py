@@ -16,7 +16,7 @@ import signal as _signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from belayer_plugin.config import BelayerConfig
 from belayer_plugin.engines.actor import EngineInfo, remote_engine_actor
@@ -68,6 +68,7 @@ class Slot:
 class Weights:
     version: str = "default"
     path: Optional[str] = None  # None: the base model every engine starts from
+    external: bool = False  # streamed into the engines by the trainer (NeMo-RL's refit): Belayer cannot load them
 
 
 class FleetManager:
@@ -96,6 +97,8 @@ class FleetManager:
         self.fatal: Optional[FleetBelowFloorError] = None
         self._changed = asyncio.Condition()
         self._closing = False
+        # Extra Ray options per engine or standby id (e.g. a trainer's placement group bundle); None: none.
+        self.actor_options: Optional[Callable[[str], dict]] = None
 
     # ----------------------------------------------------------------- start / stop
     async def start(self) -> None:
@@ -296,7 +299,7 @@ class FleetManager:
 
         from belayer_plugin.engines.actor import EngineStartError
 
-        cls = remote_engine_actor(self.cfg.engines)
+        cls = remote_engine_actor(self.cfg.engines, **(self.actor_options(s.slot_id) if self.actor_options else {}))
         s.actor = cls.remote(s.slot_id, self.cfg.engines, self.engine_model_path, str(self.run_dir / "engines"))
         try:
             s.info = await s.actor.start.remote()
@@ -316,6 +319,11 @@ class FleetManager:
         if s.health.state is not State.STALE:
             return
         want = self.weights
+        if s.served_version != want.version and want.external:
+            # Only the trainer holds these weights: STALE (unrouted) until its next refit streams them here.
+            self.events.emit("fleet", s.slot_id, "awaiting_weights", f"serves {s.served_version}; version "
+                             f"{want.version} comes with the trainer's next refit", version=want.version)
+            return
         if s.served_version != want.version:
             ok = await self._update_weights(s, want)
             if not ok:
@@ -422,7 +430,8 @@ class FleetManager:
                     if r["status"] != 200:
                         raise RuntimeError(f"resume_memory_occupation: HTTP {r['status']}")
                 version = await sh.actor.weight_version.remote()  # a cheap readiness check with the version
-                if version != want.version and not await self._update_weights_actor(sh.actor, want):
+                if version != want.version and not want.external \
+                        and not await self._update_weights_actor(sh.actor, want):
                     raise RuntimeError(f"could not bring the standby from {version} to {want.version}")
                 await sh.actor.call.remote("POST", "/flush_cache", None)
         except Exception as e:
@@ -433,7 +442,8 @@ class FleetManager:
                 self.shadows.replenish()
             return False
         await self._apply(s, Signal.RESTART_BEGUN, f"handover to {sh.sid}")
-        s.actor, s.info, s.served_version = sh.actor, sh.info, want.version
+        # External weights: the standby keeps what it has and the slot stays STALE until the trainer's refit.
+        s.actor, s.info, s.served_version = sh.actor, sh.info, version if want.external else want.version
         self.monitor.watch(s.slot_id, s.health.incarnation, s.actor, s.info.url)
         await self._apply(s, Signal.STARTED, f"{sh.sid} at {sh.info.url}")
         await self._make_current(s)
@@ -549,3 +559,58 @@ class FleetManager:
                 await self._apply(s, Signal.VERSION_MISMATCH, f"serves {v}, want {self.weights.version}")
                 await self._on_signal(s.slot_id, Signal.KILLED, s.health.incarnation, "stale weights")
         return out
+
+    # ----------------------------------------------------------------- refits streamed by the trainer
+    async def begin_external_refit(self) -> None:
+        """The trainer streams weights itself next (NeMo-RL's refit): readiness probes stop (a long update
+        must not look like a hang), Ray liveness stays on, weights memory comes back where it was released."""
+        self.raise_if_fatal()
+        self.phase = Phase.REFIT
+        self.monitor.pause()
+        if self.memory_released:
+            await asyncio.gather(*(s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
+                                   for s in self.slots.values() if s.actor is not None and s.info is not None),
+                                 return_exceptions=True)
+        self.events.emit("fleet", "fleet", "phase", self.phase.value, tags=["weights"])
+
+    async def adopt_version(self, version: str, slot_ids: Iterable[str]) -> dict[str, str]:
+        """The trainer streamed weight `version` into the engines of `slot_ids`: it becomes the fleet's current
+        version. Each engine is asked what it serves: at `version` it is current (a STALE one turns HEALTHY and
+        joins the router); otherwise it leaves the router and stays STALE until a refit reaches it (Belayer
+        never loads other weights in its place). Returns {slot: version it reports}."""
+        self.raise_if_fatal()
+        self.weights = Weights(version, None, external=True)  # first: recoveries racing with us pick it up
+        out: dict[str, str] = {}
+        for sid in slot_ids:
+            s = self.slots[sid]
+            if s.info is None or not (s.health.serving or s.health.state is State.STALE):
+                continue
+            try:
+                v = await asyncio.wait_for(s.actor.weight_version.remote(), self.cfg.monitor.liveness_timeout_s * 5)
+            except Exception:
+                continue  # dying: liveness reports it and recovery brings it back STALE
+            out[sid] = s.served_version = v
+            if v == version:
+                await self._make_current(s)
+        for s in self.serving_slots():  # never silent: whatever serves another version leaves the router
+            if s.served_version != version:
+                self.events.emit("fleet", s.slot_id, "weight_version_mismatch",
+                                 f"expected {version}, engine reports {s.served_version}", level="error",
+                                 expected=version, actual=s.served_version)
+                await self._deregister(s)
+                await self._apply(s, Signal.VERSION_MISMATCH, f"serves {s.served_version}, want {version}")
+        self.events.emit("fleet", "fleet", "version_adopted", f"to {version}", version=version, engines=out,
+                         stale=[sid for sid, s in self.slots.items() if s.health.state is State.STALE])
+        return out
+
+    async def end_external_refit(self) -> None:
+        """After the trainer's refit: KV cache memory back where released, then serving with readiness probes."""
+        if self.memory_released:
+            await asyncio.gather(*(s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]})
+                                   for s in self.slots.values() if s.actor is not None and s.info is not None),
+                                 return_exceptions=True)
+        self.phase = Phase.SERVING
+        self.memory_released = False
+        if self.ft:
+            self.monitor.resume()
+        self.events.emit("fleet", "fleet", "phase", self.phase.value, tags=["kv_cache"])

@@ -63,15 +63,18 @@ class ShadowPool:
         sid = f"shadow-{self._count}"
         self._count += 1
         t0 = time.monotonic()
-        cls = remote_engine_actor(fm.cfg.engines, **self._options())
+        extra = fm.actor_options(sid) if fm.actor_options else {}
+        cls = remote_engine_actor(fm.cfg.engines, **{**self._options(), **extra})
+        # The base model under the current version's name only when that version is the base model.
+        base_is_current = fm.weights.path is None and not fm.weights.external
         actor = cls.remote(sid, fm.cfg.engines, fm.engine_model_path, str(fm.run_dir / "engines"),
-                           fm.weights.version if fm.weights.path is None else "default")
+                           fm.weights.version if base_is_current else "default")
         try:
             info = await actor.start.remote()
             if info.node_id in fm.excluded_nodes:
                 raise RuntimeError(f"placed on excluded node {info.node_id}")
             version = info.weight_version
-            if version != fm.weights.version:
+            if version != fm.weights.version and not fm.weights.external:  # external: STALE at handover
                 version = await self._update(actor, fm.weights)
             released = False
             if self.cfg.release_memory_when_idle and fm.cfg.engines.kind == "sglang":
