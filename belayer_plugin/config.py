@@ -226,13 +226,36 @@ class ChaosConfig:
     count: int = _req()
     seed: int = _req()
 
+    # What must have happened for the scenario to count (belayer_plugin.chaos.check asserts each from the
+    # report and the event log); names from CHAOS_EXPECTATIONS.
+    expect: list[str] = _req()
+
     def problems(self) -> list[str]:
         out = []
         if not 0 <= self.probability <= 1:
             out.append("probability: must be in [0, 1]")
         if self.count < 0:
             out.append("count: must be >= 0")
+        for i, name in enumerate(self.expect):
+            if name not in CHAOS_EXPECTATIONS:
+                out.append(f"expect[{i}]: unknown {name!r}; known: {', '.join(CHAOS_EXPECTATIONS)}")
         return out
+
+
+# The recoveries a chaos scenario can require (checked by belayer_plugin.chaos.check).
+CHAOS_EXPECTATIONS = (
+    "request_resumed_midway",  # a request resumed on another engine from a committed position > 0
+    "handover",  # a standby took over the victim's slot
+    "engine_replaced",  # the victim's slot got a new engine (handover or cold restart)
+    "engine_detected",  # the monitor declared the victim dead
+    "standby_replaced",  # the killed standby was replaced by a new one
+    "refit_before_serving",  # the victim's replacement loaded the new weights before serving again
+    "restored_from_checkpoint",  # the killed sandbox was restored from a checkpoint, not rebuilt
+    "criu_restore",  # that restore brought processes back (CRIU), not only the file system
+    "restore_retried",  # a killed restore was retried and then succeeded
+    "checkpoint_discarded",  # the checkpoint the kill hit failed, was never published, left nothing behind
+    "learner_restarted_from_checkpoint",  # a new learner resumed from the last checkpoint
+)
 
 
 @dataclass
