@@ -131,7 +131,7 @@ class MonitorConfig:
     probe_interval_s: float = _req()  # readiness probes (/health_generate), only while serving
     probe_timeout_s: float = _req()
     failure_threshold: int = _req()  # consecutive failed probes before DEAD
-    boot_grace_s: float = _req()  # absolute deadline armed at start and after a restart, never by resume()
+    boot_grace_s: float = _req()  # from start or restart until the first HEALTHY (or generated token), never by resume()
     liveness_timeout_s: float = _req()  # bound on one Ray liveness round trip
 
     def problems(self) -> list[str]:
@@ -154,9 +154,18 @@ class RestartConfig:
     backoff_max_s: float = _req()
     backoff_multiplier: float = _req()
     min_healthy_engines: int = _req()
+    # Node exclusion needs node evidence: engines of this many different slots (sharing no request) dying
+    # on one node within shadow.fault_window_s, or Ray reporting the node dead. Never one slot's deaths.
+    node_exclusion_slots: int = _req()
+    node_exclusion_decay_s: float = _req()  # an excluded node is re-admitted after this long (0: never)
+    node_check_timeout_s: float = _req()  # how long a death with an unreachable actor asks Ray about its node
 
     def problems(self) -> list[str]:
         out = []
+        if self.node_exclusion_slots < 2:
+            out.append("node_exclusion_slots: must be >= 2 (one slot's deaths are never node evidence)")
+        if self.node_exclusion_decay_s < 0 or self.node_check_timeout_s < 0:
+            out.append("node_exclusion_decay_s and node_check_timeout_s: must be >= 0")
         if self.max_restarts < 0:
             out.append("max_restarts: must be >= 0")
         if self.window_s <= 0:
@@ -178,7 +187,7 @@ class ShadowConfig:
     handover_timeout_s: float = _req()
     release_memory_when_idle: bool = _req()  # SGLang on GPU: release weights + KV cache while standing by
     shared_weights: bool = _req()  # CPU engine: map weights from a shared-memory holder
-    fault_window_s: float = _req()  # a slot failing again this soon after a handover is excluded
+    fault_window_s: float = _req()  # deaths of different slots on one node this close together are node evidence
 
     def problems(self) -> list[str]:
         out = []
@@ -202,9 +211,14 @@ class RecoveryConfig:
     request_timeout_s: float = _req()
     front_host: str = _req()
     front_port: int = _req()
+    # A request whose engines died this many times before it got a token from them is poison: it fails with
+    # RequestPoisonedError and those deaths are not charged to restart budgets or node health.
+    poison_max_deaths: int = _req()
 
     def problems(self) -> list[str]:
         out = []
+        if self.poison_max_deaths < 1:
+            out.append("poison_max_deaths: must be >= 1")
         if self.chunk_tokens < 1:
             out.append("chunk_tokens: must be >= 1")
         if self.max_attempts < 1:
@@ -229,6 +243,9 @@ class ChaosConfig:
     # What must have happened for the scenario to count (belayer_plugin.chaos.check asserts each from the
     # report and the event log); names from CHAOS_EXPECTATIONS.
     expect: list[str] = _req()
+    # Test-only: a CPU engine started by the fleet SIGKILLs itself on a prompt holding this token id
+    # (a deterministic poison request). -1: off; passed to engines only when `enabled`.
+    poison_token_id: int = _req()
 
     def problems(self) -> list[str]:
         out = []
