@@ -130,6 +130,9 @@ class DockerBackend:
     """Docker through the SDK. Checkpoint = freeze, tar of the upper dir, CRIU dump (leave running), thaw."""
 
     name = "docker"
+    # Concurrent restores of one checkpoint race in containerd's content store ("commit failed: content
+    # ... already exists"): fork restores one at a time on Docker.
+    parallel_restores = False
 
     def __init__(self, base_url: Optional[str] = None, criu_path: str = "", client_timeout_s: float = 600.0):
         docker = _docker()

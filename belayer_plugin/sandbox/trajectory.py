@@ -290,6 +290,52 @@ class TrajectoryRecorder:
         except OSError:
             pass
 
+    # -- fork ---------------------------------------------------------------------------------------
+    def fork(self, n: int, boundary: Optional[int] = None, workers: int = 0) -> list["TrajectoryRecorder"]:
+        """n independent branches continuing from `boundary` (default: the last committed one).
+
+        Each branch gets its own container restored from the checkpoint at that boundary (taken now if the
+        last boundary has none), a copy of the context up to it (prefix consistency per branch) and the
+        checkpoint adopted under its own id `<id>.<i>` so it can roll back to the fork point on its own.
+        Raises RuntimeError while an action is in flight (its effect is uncertain: nothing to fork from).
+        """
+        from belayer_plugin.sandbox.fork import adopt_checkpoint, fork_sandboxes
+
+        with self._lock:
+            if self._has_in_flight:
+                raise RuntimeError("cannot fork while an action is in flight")
+            b = self.latest if boundary is None else boundary
+            if not 0 <= b <= self.latest:
+                raise ValueError(f"boundary {b} not committed (latest {self.latest})")
+            ck = self.ready_checkpoint(b)
+            ck = ck if ck is not None and ck.boundary == b else None
+        if ck is None:
+            if b != self.latest:
+                raise RuntimeError(f"no checkpoint at boundary {b} to fork from")
+            ck = self.checkpoint(b)
+            if ck is None:
+                raise RuntimeError(f"could not checkpoint boundary {b} to fork from (the trajectory moved on)")
+        ids = [f"{self.trajectory_id}.{i}" for i in range(n)]
+        sandboxes = fork_sandboxes(ck, self.backend, n, store=self.store, sandbox_ids=ids,
+                                   timeout_s=self.restore_timeout_s, exec_timeout_s=self.sandbox.exec_timeout_s,
+                                   workers=workers, on_event=self.on_event)
+        branches = []
+        with self._lock:
+            prefix = self.boundaries[: b + 1]
+        for sid, sb in zip(ids, sandboxes):
+            own = adopt_checkpoint(self.store, ck, sid)
+            br = TrajectoryRecorder(sid, sb, self.store, checkpoint_mode=self.checkpoint_mode,
+                                    checkpoint_timeout_s=self.checkpoint_timeout_s,
+                                    restore_timeout_s=self.restore_timeout_s, restore_retries=self.restore_retries,
+                                    deterministic=self.deterministic, replay=self.replay, setup=self.setup,
+                                    replay_fn=self.replay_fn, on_event=self.on_event)
+            br.base_spec = self.base_spec
+            br.boundaries = [BoundaryRecord(r.index, list(r.token_ids), copy.deepcopy(r.messages), r.action,
+                                            r.result, own.id if r.index == b else None, r.t) for r in prefix]
+            br.checkpoints = {own.id: own}
+            branches.append(br)
+        return branches
+
     def close(self) -> None:
         """Closes the current sandbox (checkpoints stay on disk)."""
         self.sandbox.close()
