@@ -11,7 +11,7 @@ from belayer_plugin.events import EventLog
 
 # Event kinds that make up the recovery story, by component (the timeline's rows).
 _TIMELINE = {
-    "chaos": ("inject",),
+    "chaos": ("inject", "missed"),
     "monitor": ("detected",),
     "fleet": ("deregistered", "registered", "below_floor", "weight_version_mismatch"),
     "restart": ("restarted", "backoff"),
@@ -36,13 +36,15 @@ def build(loop: Any, status: str, error: Any, duration_s: float) -> dict:
         "config": {"use_fault_tolerance": cfg.use_fault_tolerance, "engines": cfg.engines.num_engines,
                    "engine_kind": cfg.engines.kind, "standby": cfg.shadow.num_standby,
                    "chaos": {"enabled": cfg.chaos.enabled, "kind": cfg.chaos.kind, "trigger": cfg.chaos.trigger,
-                             "at": cfg.chaos.at, "victim_state": cfg.chaos.victim_state},
+                             "at": cfg.chaos.at, "victim_state": cfg.chaos.victim_state,
+                             "scenario": cfg.chaos.scenario, "expect": list(cfg.chaos.expect)},
                    "loop": loop.loop.__dict__},
         "steps": loop.steps,
         "trajectories": loop.trajectories,
         "lost": loop.lost,
         "recovery": {
-            "faults_injected": kinds[("chaos", "inject")],
+            "faults_injected": kinds[("chaos", "inject")],  # delivered to a live target
+            "faults_missed": kinds[("chaos", "missed")],  # the target was gone: nothing was hit
             "engine_deaths_detected": kinds[("monitor", "detected")],
             "cold_restarts": kinds[("restart", "restarted")],
             "handovers": kinds[("shadow", "handover")],

@@ -1,5 +1,7 @@
-"""Asserts a chaos run's outcome from its JSON report: survival (identical to the fault-free golden run),
-a bounded typed failure, or (fault tolerance off) a run that fails or loses work.
+"""Asserts a chaos run's outcome from its JSON report and its event log: the fault was delivered to a live
+target, the recoveries the scenario declares (`belayer.chaos.expect`) ran, and the run ended as expected:
+survival (identical to the fault-free golden run), a bounded typed failure, or (fault tolerance off) a
+run that fails or loses work.
 
 python -m belayer_plugin.chaos.check --report R --expect survival --golden G
 python -m belayer_plugin.chaos.check --report R --expect bounded_failure --error-type T --max-duration S
@@ -11,16 +13,214 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
+
+Ev = dict  # one events.jsonl record: t, component, subject, kind, reason, figures, ...
+
+
+def load_events(path: Path) -> list[Ev]:
+    """The run's event log (events.jsonl), oldest first."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _find(evs: list[Ev], comp: str, kind: str, since: float = 0.0,
+          pred: Callable[[Ev], bool] = lambda e: True) -> list[Ev]:
+    return [e for e in evs if e["component"] == comp and e["kind"] == kind and e["t"] >= since and pred(e)]
+
+
+def _fig(e: Ev, key: str, default=None):
+    return (e.get("figures") or {}).get(key, default)
+
+
+# ---------------------------------------------------------------- the named recoveries
+# Each takes (events, the first delivered inject event, run dir) and returns a violation or None.
+
+def _resumed_midway(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    res = _find(evs, "recovery", "resumed", inj["t"])
+    if any((_fig(e, "committed") or 0) > 0 for e in res):
+        return None
+    if res:
+        return (f"requests were resumed only from token 0 ({len(res)} resume(s)): the kill landed before any "
+                "token was committed, so token-level resume was not exercised")
+    return ("no request was resumed after the fault: the kill landed where it tested nothing (e.g. after the "
+            "engine had already produced the request's last token)")
+
+
+def _handover(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    tgt = _fig(inj, "target")
+    if _find(evs, "shadow", "handover", inj["t"], lambda e: e["subject"] == tgt):
+        return None
+    other = _find(evs, "restart", "restarted", inj["t"], lambda e: e["subject"] == tgt)
+    return (f"no standby took over {tgt} after the fault" +
+            (" (it was cold-restarted instead)" if other else ""))
+
+
+def _engine_replaced(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    tgt = _fig(inj, "target")
+    if _find(evs, "shadow", "handover", inj["t"], lambda e: e["subject"] == tgt) or \
+            _find(evs, "restart", "restarted", inj["t"], lambda e: e["subject"] == tgt):
+        return None
+    return f"{tgt} got no new engine (neither a handover nor a restart) after the fault"
+
+
+def _engine_detected(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    tgt = _fig(inj, "target")
+    if _find(evs, "monitor", "detected", inj["t"], lambda e: e["subject"] == tgt):
+        return None
+    return f"the monitor never declared {tgt} dead after the fault"
+
+
+def _standby_replaced(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    tgt = _fig(inj, "target")
+    lost = _find(evs, "shadow", "shadow_lost", inj["t"], lambda e: e["subject"] == tgt)
+    if not lost:
+        return f"the killed standby {tgt} was never noticed lost"
+    if not _find(evs, "shadow", "shadow_ready", lost[0]["t"], lambda e: e["subject"] != tgt):
+        return f"no new standby became ready after {tgt} was lost"
+    return None
+
+
+def _refit_before_serving(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    tgt = _fig(inj, "target")
+    rep = (_find(evs, "shadow", "handover", inj["t"], lambda e: e["subject"] == tgt) or
+           _find(evs, "restart", "restarted", inj["t"], lambda e: e["subject"] == tgt))
+    if not rep:
+        return f"{tgt} was never replaced after the kill, so no replacement could be refit"
+    t_rep = rep[0]["t"]
+    serving = _find(evs, "fleet", "phase", t_rep, lambda e: e["reason"] == "serving")
+    t_serve = serving[0]["t"] if serving else float("inf")
+    refits = _find(evs, "fleet", "refit_done", t_rep,
+                   lambda e: e["t"] <= t_serve and (_fig(e, "engines") or {}).get(tgt) == _fig(e, "version"))
+    if not refits:
+        return (f"{tgt}'s replacement was not brought to the new weight version before the fleet served again "
+                "(no refit_done listing it at that version)")
+    return None
+
+
+def _rollback_from_checkpoint(evs: list[Ev], inj: Ev) -> tuple[Optional[Ev], list[Ev]]:
+    tgt = _fig(inj, "target")
+    rbs = _find(evs, "sandbox", "rollback", inj["t"], lambda e: e["subject"] == tgt)
+    good = [e for e in rbs if not _fig(e, "from_base_image", True) and _fig(e, "checkpoint")]
+    return (good[0] if good else None), rbs
+
+
+def _restored_from_checkpoint(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    tgt = _fig(inj, "target")
+    rb, rbs = _rollback_from_checkpoint(evs, inj)
+    if rb is None:
+        if rbs:
+            return (f"sandbox {tgt} was rebuilt from the base image, not restored from a checkpoint (none existed "
+                    "or none could be restored): the kill landed where it tested nothing")
+        return f"sandbox {tgt} was never recovered after the kill"
+    if not _find(evs, "sandbox", "restore", inj["t"], lambda e: _fig(e, "checkpoint") == _fig(rb, "checkpoint")):
+        return f"rollback of {tgt} names checkpoint {_fig(rb, 'checkpoint')} but no restore of it was recorded"
+    return None
+
+
+def _criu_restore(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    rb, _ = _rollback_from_checkpoint(evs, inj)
+    if rb is None:
+        return "no restore from a checkpoint, so no CRIU restore"
+    res = _find(evs, "sandbox", "restore", inj["t"], lambda e: _fig(e, "checkpoint") == _fig(rb, "checkpoint"))
+    if res and _fig(res[-1], "mode") == "full":
+        return None
+    why = [e["reason"] for e in _find(evs, "sandbox", "checkpoint_mode")][:1]
+    return ("the restore was file-system only, not CRIU (processes restarted fresh)" +
+            (f": {why[0]}" if why else "") + " -- this scenario needs a working CRIU >= 4.2")
+
+
+def _restore_retried(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    tgt = _fig(inj, "target")
+    kills = _find(evs, "chaos", "inject", inj["t"], lambda e: e is not inj and "restore" in e["reason"])
+    if not kills:
+        return (f"the restore of {tgt} was never killed (no restore ran, e.g. no checkpoint or no CRIU): "
+                "the retry was not exercised")
+    retries = _find(evs, "sandbox", "restore_retry", kills[0]["t"], lambda e: e["subject"] == tgt)
+    if not retries:
+        return f"the killed restore of {tgt} was not retried"
+    rb, _ = _rollback_from_checkpoint(evs, inj)
+    if rb is None or rb["t"] < retries[0]["t"]:
+        return f"after the retry, {tgt} was not restored from a checkpoint"
+    return None
+
+
+def _checkpoint_discarded(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    tgt = _fig(inj, "target")
+    failed = _find(evs, "sandbox", "checkpoint_failed", inj["t"], lambda e: e["subject"] == tgt)
+    if not failed:
+        return f"the checkpoint of {tgt} the kill hit did not fail: the kill landed where it tested nothing"
+    b = _fig(failed[0], "boundary")
+    pub = _find(evs, "sandbox", "checkpoint", inj["t"], lambda e: e["subject"] == tgt and _fig(e, "boundary") == b
+                and e["t"] <= failed[0]["t"] + 1e-3)
+    if pub:
+        return f"the checkpoint of {tgt} at boundary {b} was published although its call failed"
+    left = sorted(str(p) for p in (run_dir / "sandbox-checkpoints").glob("*/.staging-*"))
+    if left:
+        return f"partial checkpoints left behind: {left[:3]}"
+    if not _find(evs, "sandbox", "rollback", inj["t"], lambda e: e["subject"] == tgt):
+        return f"{tgt} was never recovered after its checkpoint was killed"
+    return None
+
+
+def _learner_restarted(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    if not _find(evs, "learner", "restarted", inj["t"]):
+        return "the learner was never restarted after the kill"
+    res = _find(evs, "learner", "resumed", inj["t"])
+    if not res or (_fig(res[0], "step") or 0) < 1:
+        return "the new learner did not resume from a checkpoint (it started from the initial weights)"
+    return None
+
+
+RECOVERIES: dict[str, Callable[[list[Ev], Ev, Path], Optional[str]]] = {
+    "request_resumed_midway": _resumed_midway,
+    "handover": _handover,
+    "engine_replaced": _engine_replaced,
+    "engine_detected": _engine_detected,
+    "standby_replaced": _standby_replaced,
+    "refit_before_serving": _refit_before_serving,
+    "restored_from_checkpoint": _restored_from_checkpoint,
+    "criu_restore": _criu_restore,
+    "restore_retried": _restore_retried,
+    "checkpoint_discarded": _checkpoint_discarded,
+    "learner_restarted_from_checkpoint": _learner_restarted,
+}
+
+
+def check_fault(report: dict, events: list[Ev]) -> list[str]:
+    """Violations of 'the fault hit a live target and the declared recoveries ran'."""
+    ch = report["config"]["chaos"]
+    if not ch["enabled"]:
+        return []
+    run_dir = Path(report.get("run_dir", "."))
+    injected = [e for e in _find(events, "chaos", "inject") if _fig(e, "delivered")]
+    if not injected:
+        missed = [e["reason"] for e in _find(events, "chaos", "missed")]
+        return ["no fault was delivered to a live target: the scenario did not test anything" +
+                (f" (missed: {'; '.join(missed[:3])})" if missed else "")]
+    bad = []
+    for name in ch.get("expect", []):
+        fn = RECOVERIES.get(name)
+        if fn is None:
+            bad.append(f"unknown expectation {name!r}")
+            continue
+        why = fn(events, injected[0], run_dir)
+        if why:
+            bad.append(f"{name}: {why}")
+    return bad
 
 
 def check(report: dict, expect: str, golden: Optional[dict] = None, error_type: str = "",
-          max_duration_s: float = 0.0) -> list[str]:
+          max_duration_s: float = 0.0, events: Optional[list[Ev]] = None) -> list[str]:
     """Returns the list of violations (empty when the run behaved as expected)."""
-    bad = []
-    rec = report.get("recovery", {})
-    if report["config"]["chaos"]["enabled"] and rec.get("faults_injected", 0) < 1:
-        bad.append("no fault was injected: the scenario did not test anything")
+    if events is None:
+        events = load_events(Path(report.get("run_dir", ".")) / "events.jsonl")
+    bad = check_fault(report, events)
+    ch = report["config"]["chaos"]
+    if ch["enabled"] and expect == "survival" and not ch.get("expect"):
+        bad.append("a survival scenario must declare the recovery it proves (belayer.chaos.expect)")
     if expect == "survival":
         if report["status"] != "ok":
             bad.append(f"status {report['status']}: {report.get('error')}")
@@ -58,17 +258,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--report", required=True)
     ap.add_argument("--expect", required=True, choices=["survival", "bounded_failure", "loses_work"])
     ap.add_argument("--golden")
+    ap.add_argument("--events", help="events.jsonl (default: the one in the report's run dir)")
     ap.add_argument("--error-type", default="")
     ap.add_argument("--max-duration", type=float, default=0.0)
     a = ap.parse_args(argv)
     report = json.load(open(a.report))
     golden = json.load(open(a.golden)) if a.golden else None
-    bad = check(report, a.expect, golden, a.error_type, a.max_duration)
+    events = load_events(Path(a.events)) if a.events else None
+    bad = check(report, a.expect, golden, a.error_type, a.max_duration, events)
     r = report.get("recovery", {})
     print(f"[check] EXPECT={a.expect} status={report['status']} faults={r.get('faults_injected')} "
-          f"detected={r.get('engine_deaths_detected')} handovers={r.get('handovers')} "
+          f"missed={r.get('faults_missed')} detected={r.get('engine_deaths_detected')} handovers={r.get('handovers')} "
           f"restarts={r.get('cold_restarts')} resumed={r.get('requests_resumed')} env_restores={r.get('env_restores')} "
-          f"learner_restarts={r.get('learner_restarts')} -> {'PASS' if not bad else 'FAIL'}")
+          f"learner_restarts={r.get('learner_restarts')} recoveries={report['config']['chaos'].get('expect')} "
+          f"-> {'PASS' if not bad else 'FAIL'}")
     for b in bad:
         print(f"[check]   {b}")
     return 0 if not bad else 1

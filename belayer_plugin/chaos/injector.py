@@ -14,6 +14,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from belayer_plugin.config import ChaosConfig
@@ -56,28 +57,12 @@ class ChaosInjector:
         """Kills during a checkpoint or a restore need to see those calls: wrap the real backend."""
         if self.cfg.kind not in ("sandbox_kill_checkpoint", "sandbox_kill_restore"):
             return backend
-        from belayer_plugin.sandbox.scripted import Fault, FaultyBackend
-
+        self.faulty_backend = _KillingBackend(backend, self)
         if self.cfg.kind == "sandbox_kill_checkpoint":
-            faults = [Fault("checkpoint", int(self.cfg.at) or 1, 0.05)]
-        else:  # the first restore after a kill is itself killed; recovery must retry it
-            faults = [Fault("restore", 1, 0.05)]
-        self.faulty_backend = FaultyBackend(backend, faults)
-        events, kind = self.events, self.cfg.kind
-
-        class _Announced(list):
-            # FaultyBackend appends a fault here right before it kills the container: say so in the events
-            def append(self, f: Any) -> None:
-                super().append(f)
-                events.emit("chaos", f"sandbox-{f.phase}", "inject", f"container killed {f.delay_s:g} s into "
-                            f"{f.phase} call #{f.nth}", level="warning", fault=kind)
-
-        self.faulty_backend.fired = _Announced()
-        if self.cfg.kind == "sandbox_kill_checkpoint":
+            self.faulty_backend.arm("checkpoint", int(self.cfg.at) or 1)
             with self._lock:
                 self.fired = self.cfg.count  # the backend fires this one itself; no trigger of ours
         # sandbox_kill_restore: our trigger kills the sandbox; the backend then kills its first restore
-        self.faulty_backend.arm()
         return self.faulty_backend
 
     def stop(self) -> None:
@@ -111,7 +96,8 @@ class ChaosInjector:
                 and ev.kind == "transition" and ev.to_state == "STALE":
             slot = self.fleet.slots.get(self._flaky_slot)
             if slot is not None and slot.info is not None:
-                self._signal(slot.info.pid, signal.SIGKILL, f"{self._flaky_slot} (flaky, incarnation {ev.figures.get('incarnation')})")
+                self._signal(slot.info.pid, signal.SIGKILL, f"{self._flaky_slot} (flaky)",
+                             f"incarnation {ev.figures.get('incarnation')}", self._flaky_slot)
 
     def _victim_phase_ok(self) -> bool:
         return self.cfg.victim_state in ("any", self.phase)
@@ -122,42 +108,151 @@ class ChaosInjector:
             if self.fired >= self.cfg.count or self.rng.random() >= self.cfg.probability:
                 return
             self.fired += 1
-        self._fire(why, engine, sandbox)
+        if not self._fire(why, engine, sandbox):
+            with self._lock:  # nothing was hit: the next trigger point tries again
+                self.fired -= 1
 
-    def _fire(self, why: str, engine: Optional[str], sandbox: Any) -> None:
+    def _fire(self, why: str, engine: Optional[str], sandbox: Any) -> bool:
         k = self.cfg.kind
         if k in ENGINE_KINDS:
             slots = [s for s in self.fleet.slots.values() if s.info is not None and s.health.state.value != "RETIRED"]
             slot = next((s for s in slots if s.slot_id == engine), None) or (slots[0] if slots else None)
             if slot is None:
-                return
+                return self._missed("engine", why, "no engine with a process to hit")
             if k == "engine_actor_kill":
-                self._signal(slot.info.actor_pid, signal.SIGKILL, f"{slot.slot_id} actor", why)
-            elif k == "engine_server_kill":
-                self._signal(slot.info.pid, signal.SIGKILL, f"{slot.slot_id} server", why)
-            elif k == "engine_hang":
-                self._stopped_pids.append(slot.info.pid)
-                self._signal(slot.info.pid, signal.SIGSTOP, f"{slot.slot_id} server", why)
-            elif k == "engine_flaky":
-                self._flaky_slot = slot.slot_id
-                self._signal(slot.info.pid, signal.SIGKILL, f"{slot.slot_id} (flaky)", why)
-        elif k == "shadow_kill":
+                return self._signal(slot.info.actor_pid, signal.SIGKILL, f"{slot.slot_id} actor", why, slot.slot_id)
+            if k == "engine_server_kill":
+                return self._signal(slot.info.pid, signal.SIGKILL, f"{slot.slot_id} server", why, slot.slot_id)
+            if k == "engine_hang":
+                ok = self._signal(slot.info.pid, signal.SIGSTOP, f"{slot.slot_id} server", why, slot.slot_id)
+                if ok:
+                    self._stopped_pids.append(slot.info.pid)
+                return ok
+            self._flaky_slot = slot.slot_id  # engine_flaky
+            return self._signal(slot.info.pid, signal.SIGKILL, f"{slot.slot_id} (flaky)", why, slot.slot_id)
+        if k == "shadow_kill":
             pool = getattr(self.fleet, "shadows", None)
-            if pool is not None and pool.ready:
-                self._signal(pool.ready[0].info.pid, signal.SIGKILL, pool.ready[0].sid, why)
-        elif k == "learner_kill":
+            if pool is None or not pool.ready:
+                return self._missed("shadow", why, "no standby was ready")
+            sh = pool.ready[0]
+            return self._signal(sh.info.pid, signal.SIGKILL, sh.sid, why, sh.sid)
+        if k == "learner_kill":
             pid = self.learner_pid()
-            if pid:
-                self._signal(pid, signal.SIGKILL, "learner", why)
-        elif k in SANDBOX_KINDS and sandbox is not None:
-            self.events.emit("chaos", sandbox.sandbox_id, "inject", why, level="warning", fault=k,
-                             victim=sandbox.name)
-            sandbox.backend.kill(sandbox.container_id)
+            if not pid:
+                return self._missed("learner", why, "no learner process")
+            return self._signal(pid, signal.SIGKILL, "learner", why, "learner")
+        if k in SANDBOX_KINDS and sandbox is not None:
+            ok = self.kill_container(sandbox.backend, sandbox.container_id, sandbox.sandbox_id, why,
+                                     victim=sandbox.name)
+            if ok and self.faulty_backend is not None and k == "sandbox_kill_restore":
+                self.faulty_backend.arm("restore", 1)  # the restore of this sandbox is killed in its turn
+            return ok
+        return self._missed("sandbox", why, "no sandbox given")
 
-    def _signal(self, pid: int, sig: int, victim: str, why: str = "") -> None:
-        self.events.emit("chaos", victim, "inject", why, level="warning", fault=self.cfg.kind, pid=pid,
-                         signal=signal.Signals(sig).name, phase=self.phase, step=self.step)
+    # ------------------------------------------------------------------ delivery
+    def _missed(self, victim: str, why: str, reason: str, **figures: Any) -> bool:
+        self.events.emit("chaos", victim, "missed", f"{why}: {reason}", level="error", fault=self.cfg.kind,
+                         phase=self.phase, step=self.step, **figures)
+        return False
+
+    def _signal(self, pid: Optional[int], sig: int, victim: str, why: str = "", target: str = "") -> bool:
+        """Sends `sig` to a process verified alive; the `inject` event records the delivery, not the intent."""
+        name = signal.Signals(sig).name
+        if not pid or not pid_alive(pid):
+            return self._missed(victim, why, f"process {pid} was not alive: {name} not sent", pid=pid)
         try:
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+        except (ProcessLookupError, PermissionError) as e:
+            return self._missed(victim, why, f"{name} to {pid} failed: {type(e).__name__}", pid=pid)
+        self.events.emit("chaos", victim, "inject", why, level="warning", fault=self.cfg.kind, pid=pid,
+                         signal=name, phase=self.phase, step=self.step, delivered=True, target=target or victim)
+        return True
+
+    def kill_container(self, backend: Any, cid: str, subject: str, why: str, victim: str = "",
+                       confirm_s: float = 10.0) -> bool:
+        """Kills a container verified running and confirms it stopped; the `inject` event records that."""
+        if not cid or not backend.is_running(cid):
+            return self._missed(subject, why, f"container {str(cid)[:12]} was not running: not killed")
+        backend.kill(cid)
+        deadline = time.monotonic() + confirm_s
+        stopped = not backend.is_running(cid)
+        while not stopped and time.monotonic() < deadline:
+            # the runtime reports the state a moment after the kill; bounded, and only in chaos runs
+            time.sleep(0.05)
+            stopped = not backend.is_running(cid)
+        if not stopped:
+            return self._missed(subject, why, f"container {cid[:12]} still running {confirm_s:g} s after the kill")
+        self.events.emit("chaos", subject, "inject", why, level="warning", fault=self.cfg.kind, victim=victim or subject,
+                         container=cid[:12], phase=self.phase, step=self.step, delivered=True, target=subject)
+        return True
+
+
+def pid_alive(pid: int) -> bool:
+    """True when `pid` exists and is not a zombie (a signal to a zombie hits nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+class _KillingBackend:
+    """Delegates to the real backend and kills the real container inside one chosen checkpoint or restore.
+
+    Deterministic by construction: a checkpoint is hit as its call begins on a container verified running
+    (the call then fails part-way and its staging directory must be discarded); a restore is hit right after
+    the runtime restored a running container, before Belayer accepted it (the restore must be retried).
+    """
+
+    def __init__(self, inner: Any, injector: ChaosInjector):
+        self.inner = inner
+        self.name = inner.name
+        self.injector = injector
+        self.armed: dict[str, int] = {}  # phase -> the call (1-based, counted from arming) to hit
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.inner, item)
+
+    def arm(self, phase: str, nth: int) -> None:
+        with self._lock:
+            self.armed[phase], self.counts[phase] = nth, 0
+
+    def disarm(self) -> None:
+        with self._lock:
+            self.armed.clear()
+
+    def _due(self, phase: str) -> bool:
+        with self._lock:
+            if phase not in self.armed:
+                return False
+            self.counts[phase] += 1
+            if self.counts[phase] != self.armed[phase]:
+                return False
+            del self.armed[phase]
+            return True
+
+    def criu_checkpoint(self, cid: str, spec: Any, staging: Any, timeout_s: float, new_name: str) -> Any:
+        if self._due("checkpoint"):
+            self.injector.kill_container(self.inner, cid, Path(str(staging)).parent.name,
+                                         f"checkpoint call #{self.counts['checkpoint']} began")
+        return self.inner.criu_checkpoint(cid, spec, staging, timeout_s, new_name)
+
+    def pause(self, cid: str) -> None:  # the file-system-only checkpoint begins with a pause
+        if self._due("checkpoint"):
+            self.injector.kill_container(self.inner, cid, cid[:12], f"checkpoint call #{self.counts['checkpoint']} began")
+        return self.inner.pause(cid)
+
+    def criu_restore(self, ckdir: Any, spec: Any, name: str, timeout_s: float) -> str:
+        cid = self.inner.criu_restore(ckdir, spec, name, timeout_s)
+        if self._due("restore"):
+            self.injector.kill_container(self.inner, cid, Path(str(ckdir)).parent.name,
+                                         f"restore #{self.counts['restore']} brought {name} up")
+        return cid
+
+    def start(self, cid: str) -> None:  # the file-system-only restore ends with a start
+        self.inner.start(cid)
+        if self._due("restore"):
+            self.injector.kill_container(self.inner, cid, cid[:12], f"restore #{self.counts['restore']} started it")
