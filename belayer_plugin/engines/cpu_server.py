@@ -62,9 +62,11 @@ class Sampling:
     min_new_tokens: int = 0
 
 
-def _as_int(name: str, v: Any, lo: int) -> int:
+def _as_int(name: str, v: Any, lo: int, hi: int = 2**63 - 1) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise BadRequest(f"sampling_params.{name} must be an integer >= {lo}, got {v!r}")
+    if v > hi:  # torch takes 64-bit ints: a larger one must be a 400, not a crash of the decode loop
+        raise BadRequest(f"sampling_params.{name} must be <= {hi}, got {v!r}")
     return v
 
 
@@ -96,7 +98,7 @@ def parse_sampling(raw: Any) -> Sampling:
         s.top_k = raw["top_k"] if raw["top_k"] == -1 else _as_int("top_k", raw["top_k"], 1)
     seed = raw.get("seed", raw.get("sampling_seed"))
     if seed is not None:
-        s.seed = _as_int("seed", seed, 0)
+        s.seed = _as_int("seed", seed, 0, 2**62)  # + the token position must stay a 64-bit seed
     ids = raw.get("stop_token_ids") or []
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise BadRequest("sampling_params.stop_token_ids must be a list of integers")
@@ -375,8 +377,13 @@ def _parse_generate(eng: Engine, body: Any) -> Request:
         raise BadRequest("return_logprob must be true or false")
     if not isinstance(body.get("stream", False), bool):
         raise BadRequest("stream must be true or false")
-    return Request(rid=rid, prompt_ids=list(ids), sampling=parse_sampling(body.get("sampling_params")),
-                   return_logprob=rl, weight_version=eng.weight_version)
+    sampling = parse_sampling(body.get("sampling_params"))
+    ctx = getattr(eng.model.config, "max_position_embeddings", None) if eng.model is not None else None
+    if ctx and len(ids) + sampling.max_new_tokens > ctx:  # SGLang refuses these too; never decode forever
+        raise BadRequest(f"prompt ({len(ids)} tokens) + sampling_params.max_new_tokens "
+                         f"({sampling.max_new_tokens}) exceeds the model's context length {ctx}")
+    return Request(rid=rid, prompt_ids=list(ids), sampling=sampling, return_logprob=rl,
+                   weight_version=eng.weight_version)
 
 
 def _bad(msg: str, status: int = 400) -> web.Response:

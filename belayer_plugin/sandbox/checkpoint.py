@@ -183,6 +183,10 @@ class CheckpointStore:
             raise CheckpointCorrupt(f"{ck.id}: manifest changed on disk")
         if fresh.body.get("format") != FORMAT or not fresh.body.get("files"):
             raise CheckpointCorrupt(f"{ck.id}: unknown format or no artifacts")
+        if fresh.body.get("trajectory_id") != ck.path.parent.name:
+            # a whole checkpoint moved or copied under another trajectory: its state is not this one's
+            raise CheckpointCorrupt(f"{ck.id}: belongs to trajectory {fresh.body.get('trajectory_id')!r}, "
+                                    f"found under {ck.path.parent.name!r}")
         for f in fresh.body["files"]:
             p = ck.path / f["name"]
             try:
