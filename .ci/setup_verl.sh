@@ -6,8 +6,9 @@
 # base dependencies that the imported classes need, under the torch constraint (torch stays 2.13.0+cpu)
 # and transformers < 5.11 (verl 0.9.1's own bound, which Belayer's pyproject already keeps).
 # Left out on purpose (verl base dependencies not imported by verl.experimental.agent_loop,
-# verl.workers.rollout.replica, verl.trainer.ppo.ray_trainer): wandb, tensorboard, peft, accelerate,
-# pylatexenc, pybind11, torchdata. They are imported lazily by trainers/loggers we do not run.
+# verl.workers.rollout.replica, verl.trainer.ppo.ray_trainer): wandb, tensorboard, pylatexenc, pybind11,
+# torchdata. They are imported lazily by trainers/loggers we do not run. peft and accelerate are in: verl's
+# v1 trainer package (its default trainer, and AgentLoopManagerTQ's package) imports them.
 set -euo pipefail
 SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 cd "$(dirname "$SELF")/.."
@@ -28,7 +29,8 @@ if [ ! -f "$STAMP" ] || [ "$SELF" -nt "$STAMP" ] || [ .ci/constraints.txt -nt "$
   pip_q install -q --disable-pip-version-check -c .ci/constraints.txt \
     "torch==2.13.0" "transformers>=5.5.3,<5.11,!=5.6.0" "ray[default]==2.60.0" \
     "tensordict>=0.8.0,<=0.10.0,!=0.9.0" "numpy>=2.0.0" "pyarrow>=19.0.0" \
-    hydra-core codetiming datasets dill pandas packaging cachetools
+    hydra-core codetiming datasets dill pandas packaging cachetools \
+    peft accelerate "transferqueue==0.1.11" pyzmq msgspec  # v1 trainer: TransferQueue agent loop
   touch "$STAMP"
 fi
 "$VENV/bin/python" - <<'EOF'
@@ -42,6 +44,7 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from verl.workers.rollout.llm_server import LLMServerClient  # noqa: F401
 from verl.workers.rollout.router import get_router_handle  # noqa: F401
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry  # noqa: F401
+from verl.trainer.ppo.v1 import AgentLoopManagerTQ  # noqa: F401  (the v1 trainer's manager, TransferQueue)
 print(f"[setup_verl] ok: verl {verl.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
 EOF
 log "done in $(( $(date +%s) - t0 )) s"

@@ -1,6 +1,13 @@
-"""Belayer for verl 0.9.1, loaded as an external module: `VERL_USE_EXTERNAL_MODULES=belayer_plugin.hooks.verl`.
+"""Belayer for verl 0.9.1. verl imports it at `import verl` through the `verl.plugins` entry point Belayer
+installs (or `VERL_USE_EXTERNAL_MODULES=belayer_plugin.hooks.verl`).
 
 Importing it registers Belayer's parts with verl:
+- agent loop managers (`rollout.agent.agent_loop_manager_class`): `manager.BelayerAgentLoopManager` (v1
+  trainer) and `manager.BelayerLegacyAgentLoopManager`: switch the rest on from the recipe alone;
+- `BelayerCheckpointEngineManager` (`rollout.checkpoint_manager_class`, legacy trainer): dead replicas are
+  removed before the next sleep / weight sync, restarted, synced and re-admitted (`ReplicaRecovery`);
+- replica kind `belayer` (`rollout.name=belayer`, `BelayerReplica`): verl replicas whose servers are Belayer
+  engines;
 - `BelayerLoadBalancer`: `router_class` for `actor_rollout_ref.rollout.router_config_path` (evicts dead
   servers, admits recovered ones);
 - `BelayerLLMServerClient`: token-level resume (chunked) on RayActorError, for
@@ -15,7 +22,10 @@ See recipes/verl/ for what a recipe adds.
 from belayer_plugin.hooks.verl.balancer import BelayerLoadBalancer
 from belayer_plugin.hooks.verl.client import BalancerSelector, BelayerLLMServerClient
 from belayer_plugin.hooks.verl.fleet import FleetBridge, attach_fleet, fleet_servers
+from belayer_plugin.hooks.verl.recovery import BelayerCheckpointEngineManager, FleetBelowFloorError, ReplicaRecovery
+from belayer_plugin.hooks.verl.replica import BelayerReplica, BelayerServer, register as _register_replica
 
+_register_replica()
 
 
 def router_config_path() -> str:
@@ -25,8 +35,29 @@ def router_config_path() -> str:
     return str(recipes_dir() / "verl" / "router.yaml")
 
 
-__all__ = ["router_config_path", "BelayerLoadBalancer", "BelayerLLMServerClient", "BalancerSelector", "FleetBridge", "attach_fleet",
-           "fleet_servers"]
+def _recipe_path(relative: str) -> str:
+    from belayer_plugin.config import recipes_dir
+
+    path = recipes_dir() / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"${{belayer_recipe:{relative}}}: no such Belayer recipe file ({path})")
+    return str(path)
+
+
+def _register_resolver() -> None:
+    # verl needs absolute paths (router_config_path, agent_loop_config_path): recipes name Belayer's files as
+    # ${belayer_recipe:verl/router.yaml}, resolved in whichever process reads them (all import this module)
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("belayer_recipe", _recipe_path, replace=True)
+
+
+_register_resolver()
+
+
+__all__ = ["router_config_path", "BelayerLoadBalancer", "BelayerLLMServerClient", "BalancerSelector", "FleetBridge",
+           "attach_fleet", "fleet_servers", "BelayerCheckpointEngineManager", "ReplicaRecovery", "FleetBelowFloorError",
+           "BelayerReplica", "BelayerServer"]
 
 try:  # the agent loop needs the sandbox package; a broken sandbox install must not hide the rest
     from belayer_plugin.hooks.verl.agent_loop import SandboxAgentLoop  # noqa: F401  (registers itself)

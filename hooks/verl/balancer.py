@@ -11,6 +11,10 @@ own (sticky by request id, then least in-flight); Belayer adds membership:
   engines.startup_timeout_s), so a half-started or dead replacement never gets traffic. The Belayer fleet bridge (`attach_fleet`) calls it for restarted engines.
 - `acquire_server(..., exclude=, wait_s=)` lets a resuming request skip the server that failed it and wait
   (bounded) for a replacement when the pool is empty.
+- `rollout.full_determinism` (verl does not pass it to router plugins: Belayer's agent loop manager calls
+  `set_full_determinism`, or the router YAML sets `full_determinism: true`): a new request goes to the server
+  its request id hashes to (a hash that is the same in every process and run, unlike Python's `hash`), whatever
+  the load; with fault tolerance off, verl's own formula.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import zlib
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -34,6 +39,7 @@ class BelayerLoadBalancer:
         self.cfg = belayer_section(config.get("belayer"))
         self.ft = self.cfg.use_fault_tolerance
         self.max_sticky = int(config.get("max_cache_size", 10000))
+        self.full_determinism = bool(config.get("full_determinism", False))
         self._servers: dict[str, Any] = dict(servers)
         self._inflight: dict[str, int] = {sid: 0 for sid in servers}
         self._sticky: OrderedDict[str, str] = OrderedDict()
@@ -67,7 +73,10 @@ class BelayerLoadBalancer:
             sid = self._sticky.get(request_id)
             if sid is None or sid not in self._inflight or sid in skip:
                 cands = [s for s in self._inflight if s not in skip]
-                if cands:
+                if cands and self.full_determinism:
+                    sid = (sorted(cands)[zlib.crc32(request_id.encode()) % len(cands)] if self.ft
+                           else cands[hash(request_id) % len(cands)])  # off: verl's GlobalRequestLoadBalancer
+                elif cands:
                     low = min(self._inflight[s] for s in cands)
                     sid = random.choice([s for s in cands if self._inflight[s] == low])
                 else:
@@ -131,12 +140,16 @@ class BelayerLoadBalancer:
         return {"servers": dict(self._inflight), "total_inflight": sum(self._inflight.values()),
                 "active_servers": len(self._inflight), "registered_handles": list(self._servers),
                 "evicted": dict(self._evicted), "rejected": dict(self._rejected),
-                "use_fault_tolerance": self.ft}
+                "use_fault_tolerance": self.ft, "full_determinism": self.full_determinism}
 
     def get_total_inflight(self) -> int:
         return sum(self._inflight.values())
 
     # ------------------------------------------------------------------ Belayer's additions
+    def set_full_determinism(self, enabled: bool) -> None:
+        """`rollout.full_determinism`: route new requests by a stable hash of their id (see the module doc)."""
+        self.full_determinism = bool(enabled)
+
     async def report_failure(self, server_id: str, reason: str) -> bool:
         """A request failed on `server_id`: evicts it if its actor is gone; returns whether it was evicted."""
         handle = self._servers.get(server_id)

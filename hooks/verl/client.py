@@ -1,7 +1,8 @@
 """A verl 0.9.1 LLM server client with token-level resume on RayActorError.
 
-`BelayerLLMServerClient` subclasses verl's `LLMServerClient` (use it through
-`LLMServerManager.get_client(client_cls=BelayerLLMServerClient)` or a custom agent loop manager). With
+`BelayerLLMServerClient` subclasses verl's `LLMServerClient`. Belayer's agent loop managers
+(`hooks/verl/manager.py`, named by `rollout.agent.agent_loop_manager_class`) put it in place of the client the
+trainer built, so no trainer code changes; `LLMServerManager.get_client(client_cls=...)` works as well. With
 `belayer.use_fault_tolerance=true` each `generate` runs through Belayer's ResumableGenerator in chunked mode:
 tokens are committed every `recovery.chunk_tokens`; when the server dies (RayActorError, a failed RPC, no
 answer within `recovery.stall_timeout_s`) the request goes on from prompt + committed ids on another server
@@ -10,6 +11,19 @@ of the load balancer, with the failed one reported (and evicted if its actor is 
 The transport is one Ray RPC per chunk: Belayer engine actors are called through their `/generate` route;
 any other server actor through verl's server-actor signature `generate(request_id, prompt_ids,
 sampling_params)` with `max_tokens` set to the chunk.
+
+What the server really served is reported back as verl reads it: `extra_fields` `global_steps` /
+`min_global_steps` / `max_global_steps` from the chunks' own `global_steps` (a resumed trajectory that spans two
+weight versions has min < max), `num_cached_tokens` of the first prefill, `routed_experts` of every token, and
+`belayer` (segments, and the token spans each version produced). Every output of this client carries the same
+keys, so verl's `DataProto.concat` of worker batches never sees a key in some samples only.
+
+Server contracts: verl's vLLM server answers `stop_reason="completed"` for both a stop and the length limit,
+so a chunk that used its whole budget without ending on a stop token counts as cut by length (the request goes
+on); SGLang's server reports `stop` / `length` / `abort` itself. In async trainer modes (the trainer built
+verl's `FullyAsyncLLMServerClient`), an abort from a weight sync is not a failure: the tokens served so far are
+kept and the request goes on on the same server once it resumes generation (bounded by
+`recovery.request_timeout_s`), as verl's own client does.
 """
 
 from __future__ import annotations
@@ -18,7 +32,7 @@ import asyncio
 import contextvars
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import ray
@@ -31,6 +45,36 @@ from belayer_plugin.generation.sglang_http import GenerateError
 from belayer_plugin.hooks._config import belayer_section
 
 _rid: contextvars.ContextVar[str] = contextvars.ContextVar("belayer_verl_rid", default="")
+
+
+@dataclass
+class Served:
+    """What the servers of one request really served, chunk by chunk (filled by the transport)."""
+
+    spans: list[list] = field(default_factory=list)  # [first token, end token, global steps] per version run
+    num_cached_tokens: Optional[int] = None  # of the first prefill
+    cached_seen: bool = False
+    routed_experts: Any = None  # prompt + response rows, as verl's FullyAsyncLLMServerClient keeps them
+    aborts: int = 0  # weight-sync aborts waited out (async modes)
+    prompt_len: int = 0
+
+    def add(self, start: int, n: int, steps: Optional[int]) -> None:
+        if n <= 0:
+            return
+        if self.spans and self.spans[-1][2] == steps and self.spans[-1][1] == start:
+            self.spans[-1][1] = start + n
+        else:
+            self.spans.append([start, start + n, steps])
+
+    def steps(self) -> tuple[Optional[int], Optional[int], Optional[int]]:
+        """(global_steps of the last chunk, min, max) over the versions that produced tokens."""
+        known = [s[2] for s in self.spans if s[2] is not None]
+        if not known:
+            return None, None, None
+        return known[-1], min(known), max(known)
+
+
+_served: contextvars.ContextVar[Optional[Served]] = contextvars.ContextVar("belayer_verl_served", default=None)
 
 # verl sampling params passed on to the engine (verl names -> SGLang names where they differ)
 _PASS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "seed", "stop_token_ids", "ignore_eos",
@@ -66,11 +110,14 @@ class BalancerSelector:
 
 class BelayerLLMServerClient(LLMServerClient):
     def __init__(self, config: Any, load_balancer_handle: Any = None, events: Optional[EventLog] = None,
-                 **kwargs: Any):
+                 partial_rollout: bool = False, **kwargs: Any):
         super().__init__(config=config, load_balancer_handle=load_balancer_handle, **kwargs)
         section = config.get("belayer") if hasattr(config, "get") else None
         self.belayer = belayer_section(section)
+        # async trainer modes: a weight-sync abort means "wait and go on", as in FullyAsyncLLMServerClient
+        self.partial_rollout = bool(partial_rollout)
         self._kwargs = kwargs
+        self._eos: Optional[frozenset] = None
         self._build(events)
 
     def _build(self, events: Optional[EventLog]) -> None:
@@ -81,7 +128,7 @@ class BelayerLLMServerClient(LLMServerClient):
     def __reduce__(self):
         # verl ships the client to every AgentLoopWorker actor: send config and balancer handle, rebuild there
         # (the HTTP client, event log and observers are per process).
-        return (_rebuild, (type(self), self.config, self._load_balancer, self._kwargs))
+        return (_rebuild, (type(self), self.config, self._load_balancer, self.partial_rollout, self._kwargs))
 
     @property
     def observers(self) -> list:
@@ -93,37 +140,65 @@ class BelayerLLMServerClient(LLMServerClient):
         n = getattr(rollout, "response_length", None)
         return n if isinstance(n, int) and n > 0 else None
 
+    def _eos_ids(self) -> frozenset:
+        """The model's end-of-sequence ids (generation config and tokenizer), read once per process."""
+        if self._eos is None:
+            ids: set[int] = set()
+            model = getattr(getattr(getattr(self.config, "actor_rollout_ref", None), "model", None), "path", None)
+            if model:
+                try:
+                    from transformers import GenerationConfig
+
+                    e = GenerationConfig.from_pretrained(model).eos_token_id
+                    ids.update(e if isinstance(e, list) else [e] if e is not None else [])
+                except (OSError, ValueError):
+                    pass  # no generation config: stop_token_ids alone decide
+            self._eos = frozenset(int(i) for i in ids)
+        return self._eos
+
     async def generate(self, request_id, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        image_data: Optional[list[Any]] = None, video_data: Optional[list[Any]] = None,
                        audio_data: Optional[list[Any]] = None, mm_processor_kwargs: Optional[dict[str, Any]] = None,
                        **kwargs: Any) -> TokenOutput:
         multimodal = any(x is not None for x in (image_data, video_data, audio_data, kwargs.get("mm_processor_output")))
         if not self.belayer.use_fault_tolerance or multimodal:  # token resume covers text prompts only
-            return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
-                                          image_data=image_data, video_data=video_data, audio_data=audio_data,
-                                          mm_processor_kwargs=mm_processor_kwargs, **kwargs)
+            out = await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
+                                         image_data=image_data, video_data=video_data, audio_data=audio_data,
+                                         mm_processor_kwargs=mm_processor_kwargs, **kwargs)
+            if self.belayer.use_fault_tolerance:  # same keys as every other output of this client
+                out.extra_fields.setdefault("num_cached_tokens", None)
+                out.extra_fields.setdefault("belayer", None)
+            return out
         sp = {k: v for k, v in sampling_params.items() if k in _PASS and v is not None}
         if sp.get("top_k") == -1:
             sp.pop("top_k")
         limit = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens")) or self._response_length()
         sp["max_new_tokens"] = int(limit) if limit else 128
         want_lp = bool(sampling_params.get("logprobs"))
-        token = _rid.set(str(request_id))
+        served = Served(prompt_len=len(prompt_ids))
+        token, stoken = _rid.set(str(request_id)), _served.set(served)
         try:
             log, _ = await self.generator.generate(f"{request_id}-{uuid.uuid4().hex[:8]}", list(prompt_ids), sp,
                                                    return_logprob=want_lp)
         finally:
             _rid.reset(token)
+            _served.reset(stoken)
         fr = (log.finish_reason or {}).get("type")
+        steps, lo, hi = served.steps()
+        summary = {**log.summary(), "global_steps_spans": [list(s) for s in served.spans],
+                   "weight_sync_aborts": served.aborts}
         return TokenOutput(token_ids=list(log.output_ids), log_probs=list(log.logprobs) if want_lp else None,
+                           routed_experts=served.routed_experts,
                            stop_reason="length" if fr == "length" else "completed", num_preempted=0,
-                           extra_fields={"belayer": log.summary(), "global_steps": None,
-                                         "min_global_steps": None, "max_global_steps": None})
+                           extra_fields={"global_steps": steps, "min_global_steps": lo, "max_global_steps": hi,
+                                         "num_cached_tokens": served.num_cached_tokens, "belayer": summary})
 
     async def _transport(self, server_id: str, body: dict, timeout: float) -> dict:
         """One chunk on `server_id` through Ray; any failure of the server is a retriable GenerateError."""
         handle = self.selector.handles[server_id]
         t0 = time.monotonic()
+        served = _served.get() or Served()
+        start = len(body["input_ids"]) - served.prompt_len  # the chunk's first token in the response
         try:
             if _is_belayer_engine(handle):
                 sp = body["sampling_params"]
@@ -133,13 +208,29 @@ class BelayerLLMServerClient(LLMServerClient):
                 r = await asyncio.wait_for(handle.call.remote("POST", "/generate", body, timeout), timeout + 5)
                 if r["status"] != 200:
                     raise GenerateError(server_id, str(r["body"])[:500], r["status"], retriable=r["status"] >= 500)
-                return r["body"]
+                out = r["body"]
+                meta = out.get("meta_info", {})
+                served.add(start, len(out.get("output_ids") or []), _int_or_none(meta.get("weight_version")))
+                return out
             sp = dict(body["sampling_params"])
             n = sp.pop("max_new_tokens")
             sp.update(max_tokens=n, logprobs=body.get("return_logprob", False))
-            out = await asyncio.wait_for(handle.generate.remote(request_id=body["rid"], prompt_ids=body["input_ids"],
-                                                                sampling_params=sp), timeout + 5)
-            return _sglang_shaped(out, n)
+            wait = timeout
+            while True:
+                out = await asyncio.wait_for(handle.generate.remote(
+                    request_id=body["rid"], prompt_ids=body["input_ids"], sampling_params=sp), wait + 5)
+                chunk = _sglang_shaped(out, n, self._stop_ids(sp))
+                if chunk["meta_info"]["finish_reason"]["type"] != "abort" or not self.partial_rollout:
+                    break
+                # A weight sync aborted the chunk (async modes): keep what it served and go on on this server,
+                # which parks the next call until it resumes generation. Not a failure.
+                served.aborts += 1
+                if chunk["output_ids"]:
+                    chunk["meta_info"]["finish_reason"] = {"type": "length", "length": n}
+                    break
+                wait = self.belayer.recovery.request_timeout_s  # parked for the length of a weight sync
+            self._record(served, start, out, chunk)
+            return chunk
         except GenerateError:
             raise
         except ray.exceptions.RayActorError as e:  # the server actor died or is unreachable
@@ -149,9 +240,43 @@ class BelayerLLMServerClient(LLMServerClient):
         except asyncio.TimeoutError as e:
             raise GenerateError(server_id, f"no answer within {time.monotonic() - t0:.1f} s") from e
 
+    def _stop_ids(self, sp: dict) -> frozenset:
+        ids = frozenset(int(i) for i in sp.get("stop_token_ids") or ())
+        return ids if sp.get("ignore_eos") else ids | self._eos_ids()
 
-def _rebuild(cls: type, config: Any, balancer: Any, kwargs: dict) -> "BelayerLLMServerClient":
-    return cls(config, balancer, **kwargs)
+    @staticmethod
+    def _record(served: Served, start: int, out: Any, chunk: dict) -> None:
+        """Notes the chunk's version, first prefill's cache hits and routed experts (verl's own fields)."""
+        import numpy as np
+
+        ids = chunk["output_ids"]
+        extra = (out.get("extra_fields") if isinstance(out, dict) else getattr(out, "extra_fields", None)) or {}
+        served.add(start, len(ids), _int_or_none(extra.get("global_steps")))
+        if not served.cached_seen:
+            served.cached_seen = True
+            served.num_cached_tokens = extra.get("num_cached_tokens")
+        routed = out.get("routed_experts") if isinstance(out, dict) else getattr(out, "routed_experts", None)
+        if routed is not None and ids:
+            routed = np.asarray(routed)
+            if served.routed_experts is None:
+                served.routed_experts = routed  # the first chunk's rows cover the prompt too
+            else:  # later chunks: only the rows of their new tokens
+                served.routed_experts = np.concatenate([served.routed_experts, routed[-len(ids):]])
+
+
+def _rebuild(cls: type, config: Any, balancer: Any, partial_rollout: bool, kwargs: dict) -> "BelayerLLMServerClient":
+    return cls(config, balancer, partial_rollout=partial_rollout, **kwargs)
+
+
+def _int_or_none(v: Any) -> Optional[int]:
+    if v is None or isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    try:
+        return int(str(v))
+    except ValueError:
+        return None  # a non-numeric version (e.g. "default"): verl has no global step for it
 
 
 def _is_belayer_engine(handle: Any) -> bool:
@@ -163,19 +288,28 @@ def _is_belayer_engine(handle: Any) -> bool:
         return False
 
 
-def _sglang_shaped(out: Any, n: int) -> dict:
-    """verl's TokenOutput (or its dict form) as the SGLang-shaped chunk ResumableGenerator commits."""
+def _sglang_shaped(out: Any, n: int, stop_ids: frozenset = frozenset()) -> dict:
+    """verl's TokenOutput (or its dict form) as the SGLang-shaped chunk ResumableGenerator commits.
+
+    vLLM's "completed" covers both a stop and the length limit: a chunk that used its whole budget `n` and does
+    not end on a stop id was cut by length (the request goes on); SGLang names stop / length itself.
+    """
     if not isinstance(out, dict):
         out = out.model_dump() if hasattr(out, "model_dump") else dict(out.__dict__)
     ids = list(out.get("token_ids") or [])
     reason = out.get("stop_reason")
     if reason in ("aborted", "abort"):
         fr = {"type": "abort", "message": "aborted by the server"}
-    elif reason == "length" or (reason not in ("stop", "completed") and len(ids) >= n):
+    elif reason == "length":
+        fr = {"type": "length", "length": n}
+    elif reason == "stop":
+        fr = {"type": "stop"}
+    elif len(ids) >= n and not (ids and ids[-1] in stop_ids):  # "completed" (vLLM) or unknown
         fr = {"type": "length", "length": n}
     else:
         fr = {"type": "stop"}
     lps = out.get("log_probs")
+    steps = (out.get("extra_fields") or {}).get("global_steps")
     meta = {"finish_reason": fr, "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)] if lps else None,
-            "weight_version": str((out.get("extra_fields") or {}).get("global_steps") or "")}
+            "weight_version": "" if steps is None else str(steps)}
     return {"output_ids": ids, "meta_info": meta}

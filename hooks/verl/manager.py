@@ -1,0 +1,116 @@
+"""Belayer's agent loop managers: what switches Belayer on in verl 0.9.1 from the recipe alone.
+
+verl builds its agent loop manager from `actor_rollout_ref.rollout.agent.agent_loop_manager_class`, passing the
+LLM client the trainer made (`LLMServerManager.get_client()`: verl's `LLMServerClient`, or
+`FullyAsyncLLMServerClient` in the async v1 modes). Belayer's managers are verl's own classes with three
+additions, and nothing else:
+- the client becomes `BelayerLLMServerClient` over the same load balancer (token-level resume; in async modes
+  weight-sync aborts are waited out, as verl's FullyAsyncLLMServerClient does);
+- `rollout.full_determinism` reaches Belayer's balancer (verl passes it only to its built-in one);
+- before each rollout, dead Belayer replicas of this trainer process are restarted, brought to the current
+  weights and re-admitted (v1 has no checkpoint manager option; the legacy trainer also has
+  `BelayerCheckpointEngineManager`).
+With `belayer.use_fault_tolerance=false` they hand verl's own client through untouched and do nothing else.
+
+- v1 trainer (`trainer.use_v1=true`, verl's default): `belayer_plugin.hooks.verl.manager.BelayerAgentLoopManager`
+  (verl's AgentLoopManagerTQ: needs the TransferQueue package, as verl's v1 trainer itself does);
+- legacy trainer: `belayer_plugin.hooks.verl.manager.BelayerLegacyAgentLoopManager` (verl's AgentLoopManager).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+from verl.utils.ray_utils import auto_await
+from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
+
+from belayer_plugin.config import BelayerConfig
+from belayer_plugin.hooks._config import belayer_section
+from belayer_plugin.hooks.verl.client import BelayerLLMServerClient
+from belayer_plugin.hooks.verl.recovery import ReplicaRecovery, set_current_recovery
+
+log = logging.getLogger("belayer.hooks.verl")
+
+
+def belayer_client(llm_client: LLMServerClient, cfg: BelayerConfig) -> LLMServerClient:
+    """The client Belayer's managers use in place of `llm_client` (itself when fault tolerance is off)."""
+    if not cfg.use_fault_tolerance or isinstance(llm_client, BelayerLLMServerClient):
+        return llm_client
+    partial = isinstance(llm_client, FullyAsyncLLMServerClient)
+    at = getattr(llm_client.config, "async_training", None)
+    if partial and at is not None and not at.get("partial_rollout", True):
+        partial = False  # verl drops aborted samples then (FullyAsyncLLMServerClient's should_retry)
+    return BelayerLLMServerClient(llm_client.config, llm_client._load_balancer, partial_rollout=partial)
+
+
+class BelayerManagerMixin:
+    """The additions (see the module doc) over a verl agent loop manager class."""
+
+    def __init__(self, config: Any, llm_client: LLMServerClient, *args: Any, **kwargs: Any):
+        self.belayer = belayer_section(config.get("belayer"))
+        super().__init__(config, belayer_client(llm_client, self.belayer), *args, **kwargs)
+        self.recovery = None
+        if self.belayer.use_fault_tolerance:
+            self.recovery = ReplicaRecovery(self.belayer, getattr(self.llm_client, "_load_balancer", None))
+        set_current_recovery(self.recovery)  # the legacy trainer's BelayerCheckpointEngineManager uses it
+
+    @classmethod
+    @auto_await
+    async def create(cls, *args: Any, **kwargs: Any):
+        instance = cls(*args, **kwargs)
+        await instance._init_agent_loop_workers()
+        await instance.configure_balancer()
+        return instance
+
+    async def configure_balancer(self) -> None:
+        """Hands `rollout.full_determinism` to Belayer's balancer (verl only gives it to its own)."""
+        lb = getattr(self.llm_client, "_load_balancer", None)
+        if lb is None or not hasattr(lb, "set_full_determinism"):
+            return
+        await lb.set_full_determinism.remote(bool(self.rollout_config.get("full_determinism", False)))
+
+    async def heal_replicas(self) -> int:
+        """Restarts dead Belayer replicas of this process and admits them at the current weights."""
+        if self.recovery is None:
+            return 0
+        from belayer_plugin.hooks.verl.replica import replicas_in_process
+
+        replicas = replicas_in_process()
+        return await self.recovery.heal_in_place(replicas) if replicas else 0
+
+
+class BelayerLegacyAgentLoopManager(BelayerManagerMixin, AgentLoopManager):
+    """verl's AgentLoopManager (legacy trainer, `trainer.use_v1=false`) with Belayer's additions."""
+
+    @auto_await
+    async def generate_sequences(self, prompts: Any) -> Any:
+        await self.heal_replicas()
+        return await super().generate_sequences(prompts)
+
+
+def _v1_class() -> type:
+    from verl.trainer.ppo.v1 import AgentLoopManagerTQ  # imports transfer_queue, as verl's v1 trainer does
+
+    class BelayerAgentLoopManager(BelayerManagerMixin, AgentLoopManagerTQ):
+        """verl's AgentLoopManagerTQ (v1 trainer, verl's default) with Belayer's additions."""
+
+        def generate_sequences(self, prompts: Any) -> None:
+            auto_await(self.heal_replicas)()
+            return super().generate_sequences(prompts)
+
+    BelayerAgentLoopManager.__module__ = __name__
+    return BelayerAgentLoopManager
+
+
+_lazy: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    # the v1 class only when asked for (verl's loader does getattr on this module): TransferQueue stays optional
+    if name == "BelayerAgentLoopManager":
+        if name not in _lazy:
+            _lazy[name] = _v1_class()
+        return _lazy[name]
+    raise AttributeError(name)

@@ -1,0 +1,242 @@
+"""Recovery of verl's own rollout replicas, bounded by Belayer's restart budget and healthy floor.
+
+`ReplicaRecovery` keeps one `EngineHealth` record per replica (Belayer's pure health state machine) and
+Belayer's `RestartPolicy`; a replica whose server actor Ray reports gone is:
+1. evicted from the load balancer (the client may already have done so),
+2. restarted through verl's replica API (`RolloutReplica.launch_servers`: new server actors for the same
+   replica) after the policy's backoff, or retired once its budget is spent (FleetBelowFloorError when fewer
+   usable replicas than `restart.min_healthy_engines` are left),
+3. STALE until it serves the current weights, and only then re-admitted to the balancer (HEALTHY).
+Every step is an event (component "verl") that tests and reports can await.
+
+`BelayerCheckpointEngineManager` is verl's CheckpointEngineManager with that recovery in front of every call
+that reaches the replicas: dead replicas are removed from `replicas` before the trainer's next sleep / weight
+sync (so the run never calls into them), restarted, added back, brought to the current weights by the weight
+sync itself, then admitted. The legacy trainer loads it from `actor_rollout_ref.rollout.checkpoint_manager_class`.
+verl's v1 trainer builds its CheckpointEngineManager directly (no such option), so there Belayer's agent loop
+manager heals the replicas before each rollout instead (`heal_in_place`; Belayer replicas only, since it must
+also bring the new server to the current weights itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Optional
+
+import ray
+from verl.checkpoint_engine import CheckpointEngineManager
+from verl.utils.ray_utils import auto_await
+
+from belayer_plugin.config import BelayerConfig
+from belayer_plugin.events import EventLog
+from belayer_plugin.fleet.health import EngineHealth, Signal, State
+from belayer_plugin.fleet.policy import FleetBelowFloorError, RestartPolicy
+
+__all__ = ["ReplicaRecovery", "BelayerCheckpointEngineManager", "FleetBelowFloorError", "current_recovery",
+           "set_current_recovery"]
+
+_current: Optional["ReplicaRecovery"] = None  # this process's (set by Belayer's agent loop manager)
+
+
+def current_recovery() -> Optional["ReplicaRecovery"]:
+    return _current
+
+
+def set_current_recovery(rec: Optional["ReplicaRecovery"]) -> None:
+    """The recovery the trainer process's checkpoint manager uses (Belayer's agent loop manager sets it)."""
+    global _current
+    _current = rec
+
+
+class ReplicaRecovery:
+    def __init__(self, cfg: BelayerConfig, balancer: Any = None, events: Optional[EventLog] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.balancer, self.clock = cfg, balancer, clock
+        self.events = events or EventLog()
+        self.policy = RestartPolicy(cfg.restart)
+        self.health: dict[str, EngineHealth] = {}
+        self.steps: Optional[int] = None  # the weights' global steps after the last sync this process saw
+
+    @staticmethod
+    def key(replica: Any) -> str:
+        return f"replica-{replica.replica_rank}{getattr(replica, 'name_suffix', '')}"
+
+    def track(self, replicas: list) -> None:
+        """Starts health records for replicas not seen before (HEALTHY: they were started by verl)."""
+        for r in replicas:
+            if self.key(r) not in self.health:
+                self.health[self.key(r)] = EngineHealth(self.key(r), self.cfg.monitor.failure_threshold,
+                                                        state=State.HEALTHY, since=self.clock())
+
+    async def why_dead(self, replica: Any) -> Optional[str]:
+        """None while every server actor of the replica answers Ray's readiness call, else why not."""
+        if not replica.servers:
+            return "no server"
+        timeout = self.cfg.monitor.liveness_timeout_s
+        for s in replica.servers:
+            try:
+                await asyncio.wait_for(s.__ray_ready__.remote(), timeout)
+            except ray.exceptions.RayActorError as e:
+                return f"server actor gone: {type(e).__name__}"
+            except asyncio.TimeoutError:
+                return f"server actor not ready within {timeout:g} s"
+        return None
+
+    async def find_dead(self, replicas: list) -> list[tuple[Any, str]]:
+        self.track(replicas)
+        whys = await asyncio.gather(*(self.why_dead(r) for r in replicas))
+        return [(r, w) for r, w in zip(replicas, whys) if w]
+
+    def _transition(self, h: EngineHealth, sig: Signal, reason: str = "") -> None:
+        tr = h.apply(sig, self.clock(), reason=reason)
+        if tr is not None:
+            self.events.emit("fleet", h.engine, "transition", reason, from_state=tr.from_state.value,
+                             to_state=tr.to_state.value, signal=sig.value)
+
+    async def restart(self, replica: Any, why: str) -> bool:
+        """Evicts, then restarts the dead replica (True) or retires it (False); raises below the floor."""
+        key = self.key(replica)
+        self.track([replica])
+        h = self.health[key]
+        self._transition(h, Signal.LIVENESS_LOST, why)
+        old = replica.server_address
+        if self.balancer is not None and old:
+            await self.balancer.remove_servers.remote([old])
+        self.events.emit("verl", key, "evicted", why, level="warning", url=old)
+        while True:
+            d = self.policy.decide(key, self.clock())
+            if d.action == "retire":
+                self._transition(h, Signal.RETIRE, d.reason)
+                self.events.emit("verl", key, "retired", d.reason, level="error")
+                self.policy.check_floor(self.health.values())
+                return False
+            self.policy.check_floor(self.health.values())
+            if d.delay_s > 0:
+                await asyncio.sleep(d.delay_s)  # the policy's backoff, not a synchronisation
+            self.policy.record_restart(key, self.clock())
+            self._transition(h, Signal.RESTART_BEGUN, d.reason)
+            try:
+                await replica.launch_servers()  # verl's replica API: new server actor(s) for this replica
+            except Exception as e:  # noqa: BLE001  (a failed start is one more death against the budget)
+                self._transition(h, Signal.KILLED, f"restart failed: {type(e).__name__}: {e}"[:300])
+                continue
+            self._transition(h, Signal.STARTED)  # STALE: not routed before it serves the current weights
+            self.events.emit("verl", key, "restarted", f"incarnation {h.incarnation}", url=replica.server_address)
+            return True
+
+    async def admit(self, replica: Any, steps: Optional[int]) -> bool:
+        """Re-admits a STALE replica once its server serves `steps`; returns whether it was admitted."""
+        key = self.key(replica)
+        h = self.health.get(key)
+        if h is None or h.state is not State.STALE:
+            return False
+        handle = replica.server_handle
+        if steps is not None and hasattr(handle, "get_global_steps"):  # Belayer servers say what they serve
+            served = await handle.get_global_steps.remote()
+            if served != steps:
+                self.events.emit("verl", key, "admit_refused", f"serves {served}, current {steps}", level="warning")
+                return False
+        self._transition(h, Signal.WEIGHTS_CURRENT, f"global steps {steps}")
+        if self.balancer is not None:
+            await self.balancer.add_servers.remote({replica.server_address: handle})
+        self.events.emit("verl", key, "admitted", f"at global steps {steps}", url=replica.server_address,
+                         version=steps)
+        return True
+
+    def stale(self, replicas: list) -> list:
+        return [r for r in replicas if self.health.get(self.key(r)) and self.health[self.key(r)].state is State.STALE]
+
+    async def heal_in_place(self, replicas: list) -> int:
+        """v1 trainer path (verl's own checkpoint manager keeps the replica objects): restarts dead Belayer
+        replicas, loads the current weights into them and admits them; returns how many were restarted."""
+        dead = await self.find_dead(replicas)
+        live = [r for r in replicas if all(r is not x for x, _ in dead)]
+        steps = self.steps
+        if steps is None and live:
+            got = [await r.server_handle.get_global_steps.remote() for r in live
+                   if hasattr(r.server_handle, "get_global_steps")]
+            steps = max((g for g in got if g is not None), default=None)
+        n = 0
+        for r, why in dead:
+            if not await self.restart(r, why):
+                continue
+            n += 1
+            if steps is not None:
+                await r.server_handle.load_weights.remote(steps)
+            await self.admit(r, steps)
+        return n
+
+
+class BelayerCheckpointEngineManager(CheckpointEngineManager):
+    """verl's CheckpointEngineManager that removes, restarts and re-admits dead replicas (see the module doc)."""
+
+    def __init__(self, config: Any, actor_wg: Any, replicas: list, recovery: Optional[ReplicaRecovery] = None):
+        super().__init__(config, actor_wg, replicas)
+        self._recovery = recovery
+        self._healing = False
+
+    @property
+    def recovery(self) -> Optional[ReplicaRecovery]:
+        """Its own, else the one Belayer's agent loop manager made in this process; None: verl's behaviour."""
+        return self._recovery or current_recovery()
+
+    async def heal(self) -> None:
+        """Takes dead replicas out of `replicas`, restarts them and puts them back (STALE, not yet routed)."""
+        rec = self.recovery
+        if rec is None or not rec.cfg.use_fault_tolerance or self._healing:
+            return
+        self._healing = True
+        try:
+            dead = await rec.find_dead(self.replicas)
+            if not dead:
+                return
+            self.remove_replicas([r for r, _ in dead])  # never called into again while dead
+            for r, why in dead:
+                if await rec.restart(r, why):
+                    self.add_replicas([r])
+        finally:
+            self._healing = False
+
+    @auto_await
+    async def sleep_replicas(self):
+        await self.heal()
+        return await super().sleep_replicas()
+
+    @auto_await
+    async def wake_up_replicas(self):
+        await self.heal()
+        return await super().wake_up_replicas()
+
+    @auto_await
+    async def abort_replicas(self, reject_request: bool = False):
+        await self.heal()
+        return await super().abort_replicas(reject_request=reject_request)
+
+    @auto_await
+    async def resume_generation_replicas(self):
+        await self.heal()
+        return await super().resume_generation_replicas()
+
+    @auto_await
+    async def release_kv_cache_replicas(self):
+        await self.heal()
+        return await super().release_kv_cache_replicas()
+
+    @auto_await
+    async def resume_kv_cache_replicas(self):
+        await self.heal()
+        return await super().resume_kv_cache_replicas()
+
+    @auto_await
+    async def update_weights(self, global_steps: int = None):
+        await self.heal()
+        out = await super().update_weights(global_steps=global_steps)
+        rec = self.recovery
+        if rec is None:
+            return out
+        if global_steps is not None:
+            rec.steps = global_steps
+        for r in rec.stale(self.replicas):  # the sync brought them to the current weights: route to them now
+            await rec.admit(r, rec.steps)
+        return out

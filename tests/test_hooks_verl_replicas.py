@@ -1,0 +1,319 @@
+"""Belayer inside verl 0.9.1's own trainer path, on CPU, switched on from the recipe alone.
+
+verl's composed ppo_trainer config plus recipes/verl/belayer.yaml; verl's LLMServerManager launches two
+replicas of Belayer's registered replica kind (`rollout.name=belayer`: verl server actors over Belayer CPU
+engines, one speaking verl's vLLM server contract and one SGLang's); verl's loader builds the agent loop manager
+named by the recipe, which spawns verl's AgentLoopWorker actors; Belayer's CheckpointEngineManager (verl's,
+plus recovery) runs the legacy trainer's per-step sequence: generate, sleep, (train), update weights.
+
+Replaced, because verl's real code cannot run it on CPU: only the trainer's weight push
+`actor_wg.update_weights(global_steps, mode="naive")` (FSDP workers writing into their colocated rollout
+engines): `CpuActorWorkerGroup.update_weights` makes every replica's server serve `global_steps` instead.
+
+Faults are real: server actors are SIGKILLed (their engine process dies with them) mid-rollout, between steps
+(before sleep, before update_weights), and a weight sync aborts requests in an async mode. Every scenario ends
+with the batch identical to the fault-free run (ids, masks, logprobs, global steps) and the next step served by
+the full set of replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl", reason="verl 0.9.1 not installed (bash .ci/setup_verl.sh)")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MESSAGES = ["The quick brown fox", "Fault tolerance means", "A rollout engine", "Checkpoint the sandbox"]
+RESPONSE = 40
+CHUNK = 8
+BELAYER = {"use_fault_tolerance": True, "shadow": {"num_standby": 0}, "monitor": {"liveness_timeout_s": 2.0},
+           "recovery": {"chunk_tokens": CHUNK, "stall_timeout_s": 20, "max_attempts": 4, "request_timeout_s": 120},
+           "restart": {"max_restarts": 3, "window_s": 600, "backoff_initial_s": 0.0, "backoff_max_s": 0.0,
+                       "min_healthy_engines": 1},
+           "engines": {"cpu_step_delay_ms": 8, "startup_timeout_s": 120}}
+KEYS = ("prompts", "responses", "response_mask", "attention_mask", "input_ids", "position_ids", "rollout_log_probs")
+
+
+def verl_config(model: str, tmp: Path, ft: bool = True, legacy: bool = True):
+    """A verl user's recipe: verl's own ppo_trainer config (from the installed package) with the lines of
+    recipes/verl/belayer.yaml added, composed by Hydra as verl's main_ppo does."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    verl_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    recipe_dir = tmp / "recipe"
+    recipe_dir.mkdir(exist_ok=True)
+    (recipe_dir / "user_recipe.yaml").write_text(
+        f"hydra:\n  searchpath:\n    - file://{verl_dir}\ndefaults:\n  - ppo_trainer\n  - _self_\n"
+        + (ROOT / "recipes" / "verl" / "belayer.yaml").read_text())
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(recipe_dir), version_base=None):
+        cfg = compose(config_name="user_recipe", overrides=[
+            f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.prompt_length=64",
+            f"actor_rollout_ref.rollout.response_length={RESPONSE}", "actor_rollout_ref.rollout.temperature=0",
+            "actor_rollout_ref.rollout.calculate_log_probs=true", "actor_rollout_ref.rollout.agent.num_workers=2",
+            "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            f"trainer.use_v1={str(not legacy).lower()}"])
+    GlobalHydra.instance().clear()
+    OmegaConf.set_struct(cfg, False)
+    # the test's own choices: Belayer's CPU replica kind, fast timings, the toggle
+    cfg.actor_rollout_ref.rollout.name = "belayer"
+    cfg.actor_rollout_ref.rollout.custom = {"belayer_contract": ["vllm", "sglang"],
+                                            "belayer": {"engines": BELAYER["engines"], "use_fault_tolerance": ft}}
+    cfg.belayer = OmegaConf.merge(cfg.belayer, {**BELAYER, "use_fault_tolerance": ft})
+    if not legacy:
+        return cfg
+    cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class = \
+        "belayer_plugin.hooks.verl.manager.BelayerLegacyAgentLoopManager"
+    router = yaml.safe_load((ROOT / "recipes" / "verl" / "router.yaml").read_text())
+    router["belayer"] = {**router.get("belayer", {}), **{k: BELAYER[k] for k in ("monitor", "recovery")},
+                         "use_fault_tolerance": ft}
+    path = tmp / f"router-{'on' if ft else 'off'}.yaml"
+    path.write_text(yaml.safe_dump(router))
+    cfg.actor_rollout_ref.rollout.router_config_path = str(path)
+    return cfg
+
+
+class CpuActorWorkerGroup:
+    """Stand-in for the trainer's actor worker group in `update_weights(global_steps, mode="naive")` only."""
+
+    def __init__(self, replicas):
+        self.replicas = replicas  # callable: the checkpoint manager's current replicas
+
+    def update_weights(self, global_steps=None, mode="naive"):
+        return [s.load_weights.remote(global_steps) for r in self.replicas() for s in r.servers]
+
+
+class Run:
+    """verl's objects for one run: LLMServerManager, the recipe's agent loop manager, the checkpoint manager."""
+
+    def __init__(self, cfg, client_cls=None):
+        from verl.utils.import_utils import load_class_from_fqn
+        from verl.workers.config import CheckpointEngineConfig
+        from verl.workers.rollout.llm_server import LLMServerManager
+
+        self.cfg = cfg
+        self.servers = LLMServerManager.create(config=cfg)  # verl's: replicas from RolloutReplicaRegistry
+        manager_cls = load_class_from_fqn(cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class, "m")
+        self.agents = manager_cls.create(config=cfg, llm_client=self.servers.get_client(client_cls=client_cls))
+        # as the legacy trainer does: the recipe's checkpoint_manager_class, else verl's own
+        ckpt_cls = load_class_from_fqn(cfg.actor_rollout_ref.rollout.checkpoint_manager_class, "c")
+        self.ckpt = ckpt_cls(CheckpointEngineConfig(backend="naive"), CpuActorWorkerGroup(lambda: self.ckpt.replicas),
+                             self.servers.get_replicas())
+        self.lb = self.servers.global_load_balancer
+        self.step = 0
+
+    @property
+    def recovery(self):
+        return self.agents.recovery
+
+    def batch(self):
+        from verl import DataProto
+
+        return DataProto.from_dict(non_tensors={"raw_prompt": np.array(
+            [[{"role": "user", "content": m}] for m in MESSAGES], dtype=object)}, meta_info={"global_steps": self.step})
+
+    def start(self) -> None:
+        """The trainer's init: sleep the replicas, then sync the weights of step 1."""
+        self.ckpt.sleep_replicas()
+        self.step = 1
+        self.ckpt.update_weights(self.step)
+
+    def generate(self):
+        return self.agents.generate_sequences(self.batch())
+
+    def finish_step(self) -> None:
+        """After the rollout: sleep, (train), update weights to the next step."""
+        self.ckpt.sleep_replicas()
+        self.step += 1
+        self.ckpt.update_weights(self.step)
+
+    def close(self) -> None:
+        import ray
+
+        for w in self.agents.agent_loop_workers:
+            ray.kill(w, no_restart=True)
+        for r in self.servers.get_replicas():
+            for s in r.servers:
+                ray.kill(s, no_restart=True)
+        ray.kill(self.lb, no_restart=True)
+
+
+def same_batch(a, b) -> None:
+    for k in KEYS:
+        assert torch.equal(a.batch[k], b.batch[k]), k
+    for k in ("min_global_steps", "max_global_steps"):
+        assert list(a.non_tensor_batch[k]) == list(b.non_tensor_batch[k]), k
+
+
+def served_by(out) -> set:
+    return {seg["url"] for s in out.non_tensor_batch["belayer"] for seg in s["segments"]}
+
+
+@pytest.fixture(scope="module")
+def run(ray_cluster, tiny_model, tmp_path_factory):
+    r = Run(verl_config(tiny_model, tmp_path_factory.mktemp("verl")))
+    r.start()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def golden(run):
+    out = run.generate()
+    run.finish_step()
+    return out
+
+
+def _pid(handle) -> int:
+    import ray
+
+    return ray.get(handle.pid.remote())
+
+
+def _kill(replica) -> None:
+    os.kill(_pid(replica.server_handle), signal.SIGKILL)  # its engine process dies with it (PDEATHSIG)
+
+
+def _full(run) -> None:
+    import ray
+
+    servers = ray.get(run.lb.get_all_servers.remote())
+    assert sorted(servers) == sorted(r.server_address for r in run.ckpt.replicas) and len(servers) == 2
+    assert len(run.ckpt.replicas) == 2
+
+
+def test_recipe_switches_belayer_on_in_verls_agent_loop_and_fills_verl_fields(run, golden):
+    import ray
+
+    from belayer_plugin.hooks.verl.client import BelayerLLMServerClient
+
+    assert isinstance(run.agents.llm_client, BelayerLLMServerClient)
+    nt = golden.non_tensor_batch
+    # v1 trainer_base builds these with dtype=int: a None from the client was a TypeError at the first step
+    assert np.array(list(nt["min_global_steps"]), dtype=int).tolist() == [1] * len(MESSAGES)
+    assert np.array(list(nt["max_global_steps"]), dtype=int).tolist() == [1] * len(MESSAGES)
+    # vLLM's "completed" at a full chunk is a length cut, not a stop: responses run past the first chunk
+    lengths = golden.batch["response_mask"].sum(-1).tolist()
+    assert min(lengths) > CHUNK, lengths
+    assert "num_cached_tokens" in nt and len(nt["belayer"]) == len(MESSAGES)
+    # both server contracts served this batch (replica 0: vLLM's, replica 1: SGLang's)
+    assert served_by(golden) == {r.server_address for r in run.ckpt.replicas}
+    assert ray.get(run.lb.get_status.remote())["use_fault_tolerance"]
+    # the next step on the same weights gives the same batch, now at global steps 2
+    again = run.generate()
+    for k in KEYS:
+        assert torch.equal(again.batch[k], golden.batch[k]), k
+    assert set(again.non_tensor_batch["min_global_steps"]) == {2}
+    run.finish_step()
+
+
+def _at_step(golden, step: int):
+    g = golden.non_tensor_batch
+    return {k: [step] * len(g[k]) for k in ("min_global_steps", "max_global_steps")}
+
+
+def _same_but_step(out, golden, step: int) -> None:
+    for k in KEYS:
+        assert torch.equal(out.batch[k], golden.batch[k]), k
+    for k, v in _at_step(golden, step).items():
+        assert list(out.non_tensor_batch[k]) == v, k
+
+
+def test_replica_server_sigkilled_mid_rollout_batch_identical_then_recovered_before_next_step(run, golden):
+    import ray
+
+    victim = run.ckpt.replicas[0]
+    old = victim.server_address
+    killed = {}
+
+    async def kill_mid_rollout():
+        await asyncio.wait_for(victim.server_handle.wait_served.remote(2 * CHUNK), 60)
+        killed["pid"] = _pid(victim.server_handle)
+        os.kill(killed["pid"], signal.SIGKILL)
+
+    async def both():
+        k = asyncio.create_task(kill_mid_rollout())
+        out = await asyncio.get_running_loop().run_in_executor(None, run.generate)
+        await k
+        return out
+
+    since = time.time()
+    out = asyncio.run(both())
+    assert killed
+    _same_but_step(out, golden, run.step)
+    resumed = [s for s in out.non_tensor_batch["belayer"] if len(s["resumed_from"]) > 0]
+    assert resumed and all(s["resumed_from"][0] >= CHUNK for s in resumed), "committed tokens were regenerated"
+    assert old not in ray.get(run.lb.get_all_servers.remote())
+    run.finish_step()  # the dead replica is removed before sleep, restarted, synced, admitted
+    ev = run.recovery.events
+    assert any(e.kind == "restarted" and e.t >= since for e in ev.events)
+    _full(run)
+    assert victim.server_address != old
+    nxt = run.generate()
+    _same_but_step(nxt, golden, run.step)
+    assert victim.server_address in served_by(nxt), "the restarted replica did not serve the next step"
+    run.finish_step()
+
+
+@pytest.mark.parametrize("when", ["before_sleep", "before_update_weights"])
+def test_replica_killed_between_steps_is_never_called_and_rejoins_at_current_weights(run, golden, when):
+    import ray
+
+    out = run.generate()
+    _same_but_step(out, golden, run.step)
+    victim = run.ckpt.replicas[1]
+    old = victim.server_address
+    if when == "before_sleep":
+        _kill(victim)
+        run.ckpt.sleep_replicas()  # verl's gather over a dead replica raised here
+        # restarted, but STALE: not routed before the weight sync
+        assert victim.server_address != old and victim in run.ckpt.replicas
+        assert ray.get(victim.server_handle.get_global_steps.remote()) is None
+        assert victim.server_address not in ray.get(run.lb.get_all_servers.remote()), "admitted before its weights"
+    else:
+        run.ckpt.sleep_replicas()
+        _kill(victim)
+    assert old not in ray.get(run.lb.get_all_servers.remote()) or when == "before_update_weights"
+    run.step += 1
+    run.ckpt.update_weights(run.step)  # before_update_weights: removed, restarted, synced, admitted here
+    assert victim.server_address != old
+    assert ray.get(victim.server_handle.get_global_steps.remote()) == run.step
+    _full(run)
+    nxt = run.generate()
+    _same_but_step(nxt, golden, run.step)
+    assert victim.server_address in served_by(nxt)
+    run.finish_step()
+
+
+def test_toggle_off_is_verls_own_client_and_a_dead_replica_fails_the_step(ray_cluster, tiny_model, tmp_path, golden):
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    r = Run(verl_config(tiny_model, tmp_path, ft=False))
+    try:
+        assert type(r.agents.llm_client) is LLMServerClient and r.recovery is None
+        r.start()
+        out = r.generate()
+        for k in KEYS:
+            assert torch.equal(out.batch[k], golden.batch[k]), k
+        assert "belayer" not in out.non_tensor_batch
+        _kill(r.ckpt.replicas[0])
+        with pytest.raises(Exception) as e:  # verl's behaviour: the trainer's next gather fails
+            r.ckpt.sleep_replicas()
+        assert "ActorDied" in type(e.value).__name__ or "died" in str(e.value).lower()
+    finally:
+        r.close()
