@@ -55,6 +55,12 @@ def _cmd_envs(args: argparse.Namespace) -> int:
     return int(envs_main(args.rest) or 0)
 
 
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from belayer_plugin.soak import main as soak_main
+
+    return soak_main(args.rest)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `belayer` console command."""
     p = argparse.ArgumentParser(prog="belayer", description="Fault tolerance for agentic LLM RL training.")
@@ -87,6 +93,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     e.add_argument("rest", nargs=argparse.REMAINDER)
     e.set_defaults(fn=_cmd_envs)
 
+    so = sub.add_parser("soak", help="randomized fail-stop campaigns: soak envs|engines|all [--trials N --seed S "
+                                     "--duration SECONDS] (writes soak.json and soak.png)", add_help=False)
+    so.add_argument("rest", nargs=argparse.REMAINDER)
+    so.set_defaults(fn=_cmd_soak)
+
+    rest = sys.argv[1:] if argv is None else list(argv)
+    if rest[:1] == ["soak"]:  # its own parser, options and --help included
+        return _cmd_soak(argparse.Namespace(rest=rest[1:]))
     args = p.parse_args(argv)
     try:
         return args.fn(args)

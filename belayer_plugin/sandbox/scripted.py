@@ -109,7 +109,8 @@ class FaultyBackend:
         self.faults = list(faults)
         self.counts: dict[str, int] = {}
         self.armed = False
-        self.fired: list[Fault] = []
+        self.fired: list[Fault] = []  # kills delivered to a running container
+        self.missed: list[Fault] = []  # due, but nothing was running to kill (e.g. the call had finished)
         self.seen: set[str] = set()  # every container name/id touched: checked for leftovers at the end
         self._timers: list[threading.Timer] = []
         self._lock = threading.Lock()
@@ -138,10 +139,13 @@ class FaultyBackend:
             def fire(f: Fault = f) -> None:
                 if not self.armed:
                     return
-                self.fired.append(f)
+                # Delivery, not intent: only a kill of a container verified running counts as fired.
+                hit = False
                 for v in victims:
-                    if v:
+                    if v and self.inner.is_running(v):
                         self.inner.kill(v)
+                        hit = True
+                (self.fired if hit else self.missed).append(f)
             t = threading.Timer(f.delay_s, fire)
             t.daemon = True
             self._timers.append(t)
@@ -203,8 +207,12 @@ def plan_faults(rng: random.Random, n_actions: int, ck_s: float = 0.5) -> list[F
 def _corrupt(path: Path, rng: random.Random) -> str:
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != "MANIFEST.json" and p.stat().st_size > 0)
     victim = rng.choice(files)
+    size = victim.stat().st_size
+    if rng.random() < 0.3:  # truncated, as by a crash mid-write
+        os.truncate(victim, rng.randrange(size))
+        return f"{victim.relative_to(path)} (truncated)"
     with open(victim, "r+b") as f:
-        off = rng.randrange(victim.stat().st_size)
+        off = rng.randrange(size)
         f.seek(off)
         b = f.read(1)
         f.seek(off)

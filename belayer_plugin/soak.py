@@ -1,0 +1,400 @@
+"""Randomized fail-stop soak campaigns (`belayer soak envs|engines|all`), each compared with its fault-free run.
+
+envs: scripted trajectories in real sandboxes (Podman and/or Docker) with containers killed at random
+moments (during actions, checkpoints and restores) and published checkpoints corrupted (bit flips or
+truncation); every trial must end with the fault-free final file system, in-memory counter and LLM context,
+never restore a corrupt checkpoint and leave nothing running (belayer_plugin.sandbox.scripted.run_trial).
+
+engines: a fleet of CPU engines with a standby behind the front, under concurrent load (streaming and plain,
+greedy and sampled); each round's requests are first run fault-free (the golden ids), then again while one
+engine is SIGKILLed, SIGSTOPped (hang) or loses its Ray actor, at a random token position of a random request
+or between requests. Every request must complete with the golden ids (0 lost, 0 inconsistent), and engines
+that lived through the round must have generated exactly the tokens the requests committed on them
+(0 regenerated).
+
+Writes soak.json (the figures and every violation) and soak.png; prints a live progress bar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+ENGINE_FAULTS = ("server_kill", "hang", "actor_kill")
+ENGINE_PHASES = ("token", "idle")
+
+
+def _bar(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="trial", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+# ------------------------------------------------------------------------------------------ sandboxes
+def run_env_campaign(trials: int, seed: int = 0, duration_s: float = 0.0, backend: str = "both",
+                     n_actions: int = 5, mode: str = "full", corrupt_prob: float = 0.2,
+                     progress: bool = True, cache_dir: Optional[str] = None) -> dict:
+    """Runs up to `trials` sandbox trials (or until `duration_s` passes, when > 0); returns the summary."""
+    from belayer_plugin.envs.build import ensure_image
+    from belayer_plugin.sandbox.scripted import run_trial
+
+    backends: list[Any] = []
+    daemon = None
+    if backend in ("podman", "both"):
+        from belayer_plugin.sandbox.podman import PodmanBackend
+
+        backends.append(PodmanBackend())
+    if backend in ("docker", "both"):
+        from belayer_plugin.sandbox.docker_backend import DockerBackend, DockerDaemon
+
+        daemon = DockerDaemon().start()
+        backends.append(DockerBackend(daemon.url))
+    work = Path(tempfile.mkdtemp(prefix="belayer-soak-envs-"))
+    stats: Counter = Counter()
+    by_backend: Counter = Counter()
+    failures: list[dict] = []
+    durations: list[float] = []
+    t0 = time.monotonic()
+    bar = _bar(trials, "envs", progress)
+    done = 0
+    try:
+        images = {b.name: ensure_image(b, "busybox", Path(cache_dir) / "envs" if cache_dir else None) for b in backends}
+        for i in range(trials):
+            if duration_s and time.monotonic() - t0 > duration_s:
+                break
+            be = backends[i % len(backends)]
+            s = seed + i
+            d = work / str(s)
+            try:
+                r = run_trial(be, images[be.name], s, d, n_actions=n_actions, mode=mode, corrupt_prob=corrupt_prob)
+                v = r.violations
+                durations.append(r.duration_s)
+                stats["recoveries"] += r.recoveries
+                stats["kills_planned"] += r.faults_planned
+                stats["kills_delivered"] += r.faults_fired
+                for ph in r.fired_phases:
+                    stats[f"killed_during_{ph}"] += 1
+                stats["corrupted"] += int(r.corrupted is not None)
+                stats["corrupt_detected"] += int(any(e.get("kind") == "checkpoint_corrupt" for e in r.events))
+                stats["restore_failures"] += sum(1 for e in r.events if e.get("kind") == "restore_failed")
+                stats["checkpoint_failures"] += sum(1 for e in r.events if e.get("kind") == "checkpoint_failed")
+                stats["rebuilt_from_image"] += sum(1 for e in r.events if e.get("kind") == "rollback"
+                                                   and e.get("from_base_image"))
+            except Exception as e:  # a crash of the harness is a violation too
+                v = [f"trial raised {type(e).__name__}: {e}"]
+            shutil.rmtree(d, ignore_errors=True)
+            done += 1
+            by_backend[be.name] += 1
+            if v:
+                failures.append({"backend": be.name, "seed": s, "violations": v})
+            bar.update(1)
+            bar.set_postfix(violations=sum(len(f["violations"]) for f in failures),
+                            delivered=stats["kills_delivered"], refresh=False)
+    finally:
+        bar.close()
+        if daemon is not None:
+            daemon.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return {"campaign": "envs", "trials": done, "seed": seed, "backends": dict(by_backend), "actions": n_actions,
+            "mode": mode, "violations": sum(len(f["violations"]) for f in failures),
+            "inconsistent_trials": len(failures), "failures": failures[:50], "stats": dict(stats),
+            "trial_s": {"mean": round(sum(durations) / len(durations), 3) if durations else None,
+                        "max": round(max(durations), 3) if durations else None},
+            "duration_s": round(time.monotonic() - t0, 1)}
+
+
+# ------------------------------------------------------------------------------------------ engines
+PROMPT_POOL = [[54, 280, 487, 423, 442], [60, 61, 62], [100, 200, 300, 400], [7, 8, 9, 10, 11, 12],
+               [300, 301, 5], [11, 22, 33, 44, 55, 66, 77], [400, 12, 401], [9, 90, 190, 290]]
+
+
+def _request(rng: random.Random, i: int, tokens: int) -> dict:
+    sampled = rng.random() < 0.5
+    sp: dict[str, Any] = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0.8 if sampled else 0.0}
+    if sampled:
+        sp["sampling_seed"] = rng.randrange(1 << 30)
+    return {"input_ids": rng.choice(PROMPT_POOL), "sampling_params": sp, "stream": rng.random() < 0.5,
+            "rid": f"q{i}"}
+
+
+async def _send(client: Any, url: str, req: dict, timeout: float) -> dict:
+    from belayer_plugin.generation.sglang_http import generate, generate_stream
+
+    body = {k: v for k, v in req.items() if k != "stream"}
+    if not req["stream"]:
+        return await generate(client, url, body, timeout)
+    last = None
+    async for chunk in generate_stream(client, url, body, timeout, read_timeout=timeout):
+        last = chunk
+    if last is None or "error" in last:
+        raise RuntimeError(f"stream of {req['rid']} ended with {last}")
+    return last
+
+
+async def _counters(client: Any, fm: Any) -> dict[str, int]:
+    from belayer_plugin.generation.sglang_http import get_json
+
+    out = {}
+    for s in fm.serving_slots():
+        try:
+            out[s.info.url] = (await get_json(client, s.info.url, "/get_server_info", 5))["belayer_counters"].get(
+                "generated_tokens", 0)
+        except Exception:
+            pass  # dying: not a survivor
+    return out
+
+
+async def _engine_campaign(cfg: Any, run_dir: Path, faults: int, seed: int, duration_s: float, concurrency: int,
+                           tokens: int, progress: bool) -> dict:
+    import httpx
+
+    from belayer_plugin.events import EventLog
+    from belayer_plugin.fleet.manager import FleetManager
+    from belayer_plugin.generation.front import GenerationFront
+    from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
+    from belayer_plugin.ray_cluster import init_ray
+
+    init_ray(cfg.ray)
+    events = EventLog(run_dir / "events.jsonl")
+    fm = FleetManager(cfg, run_dir, events)
+    await fm.start()
+    gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, events)
+    front = GenerationFront(gen, fm.model_path, info_url=lambda: fm.pick_engine().info.url)
+    await front.start()
+    rng = random.Random(seed)
+    stats: Counter = Counter()
+    failures: list[dict] = []
+    recover_s: list[float] = []
+    t0 = time.monotonic()
+    bar = _bar(faults, "engines", progress)
+    n_req = 0
+    timeout = cfg.recovery.request_timeout_s
+    try:
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as client:
+            for r in range(faults):
+                if duration_s and time.monotonic() - t0 > duration_s:
+                    break
+                kind, phase = ENGINE_FAULTS[r % len(ENGINE_FAULTS)], rng.choice(ENGINE_PHASES)  # every kind, in turn
+                reqs = [_request(rng, n_req + i, tokens) for i in range(concurrency)]
+                n_req += len(reqs)
+                golden = await asyncio.gather(*(_send(client, front.url, q, timeout) for q in reqs))
+                victim_req, at = rng.randrange(len(reqs)), rng.randint(1, tokens - 1)
+                fired: dict = {}
+
+                def fire(slot_id: str, why: str) -> None:
+                    slot = fm.slots[slot_id]
+                    pid = slot.info.actor_pid if kind == "actor_kill" else slot.info.pid
+                    sig = signal.SIGSTOP if kind == "hang" else signal.SIGKILL
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        return
+                    fired.update(slot=slot_id, url=slot.info.url, pid=pid, t=time.time(), why=why,
+                                 mono=time.monotonic())
+                    if kind == "hang":  # never leave it stopped: the fleet fences it with SIGKILL anyway
+                        fired["stopped_pid"] = pid
+
+                def at_token(clog: Any, seg: Any) -> None:
+                    if not fired and clog.rid == reqs[victim_req]["rid"] and clog.committed >= at:
+                        fire(seg.engine, f"token {clog.committed} of {clog.rid}")
+
+                base = await _counters(client, fm)
+                if phase == "idle":
+                    fire(rng.choice(sorted(s.slot_id for s in fm.serving_slots())), "between requests")
+                else:
+                    gen.observers.append(at_token)
+                try:
+                    outs = await asyncio.gather(*(_send(client, front.url, q, timeout) for q in reqs),
+                                                return_exceptions=True)
+                finally:
+                    if at_token in gen.observers:
+                        gen.observers.remove(at_token)
+                after = await _counters(client, fm)
+                bad: list[str] = []
+                if not fired:
+                    stats["faults_missed"] += 1
+                    bad.append(f"the {kind} at {phase} was never delivered (request ended before token {at}?)")
+                else:
+                    stats["faults_delivered"] += 1
+                    stats[f"{kind}@{phase}"] += 1
+                per_url: Counter = Counter()
+                for q, g, o in zip(reqs, golden, outs):
+                    stats["requests"] += 1
+                    stats["streaming" if q["stream"] else "plain"] += 1
+                    stats["sampled" if q["sampling_params"]["temperature"] > 0 else "greedy"] += 1
+                    if isinstance(o, BaseException):
+                        stats["lost"] += 1
+                        bad.append(f"{q['rid']} lost: {type(o).__name__}: {str(o)[:200]}")
+                        continue
+                    stats["completed"] += 1
+                    if o["output_ids"] != g["output_ids"] or o["meta_info"]["id"] != q["rid"]:
+                        stats["inconsistent"] += 1
+                        bad.append(f"{q['rid']} differs from its fault-free run")
+                    segs = o["meta_info"]["belayer"]["segments"]
+                    stats["resumed"] += max(0, len(segs) - 1)
+                    for sg in segs:
+                        per_url[sg["url"]] += sg["end"] - sg["start"]
+                for url, n in after.items():  # engines that lived through the round
+                    if url in base and url != fired.get("url"):
+                        extra = (n - base[url]) - per_url.get(url, 0)
+                        if extra:
+                            stats["regenerated_tokens"] += abs(extra)
+                            bad.append(f"{url} generated {n - base[url]} tokens, requests committed {per_url.get(url, 0)}")
+                if fired:
+                    # the round ends when the victim's slot serves again and the standby pool is refilled
+                    why = await _full_strength(fm, cfg, events, fired["slot"], fired["t"], recover_s)
+                    if why:
+                        bad.append(why)
+                if bad:
+                    failures.append({"round": r, "fault": kind, "phase": phase, "at": at, "violations": bad})
+                bar.update(1)
+                bar.set_postfix(lost=stats["lost"], inconsistent=stats["inconsistent"],
+                                regenerated=stats["regenerated_tokens"], refresh=False)
+    finally:
+        bar.close()
+        await front.stop()
+        await fm.shutdown()
+    return {"campaign": "engines", "faults": stats["faults_delivered"], "rounds": len(recover_s) + stats["faults_missed"],
+            "seed": seed, "concurrency": concurrency, "tokens_per_request": tokens,
+            "requests": stats["requests"], "completed": stats["completed"], "lost": stats["lost"],
+            "inconsistent": stats["inconsistent"], "regenerated_tokens": stats["regenerated_tokens"],
+            "violations": sum(len(f["violations"]) for f in failures), "failures": failures[:50],
+            "stats": dict(stats), "replaced_after_s": _dist(recover_s),
+            "duration_s": round(time.monotonic() - t0, 1)}
+
+
+async def _full_strength(fm: Any, cfg: Any, events: Any, slot: str, since: float, recover_s: list) -> str:
+    """Awaits the victim's replacement (a handover or a restart) and, with standbys, a refilled pool; bounded.
+    Returns a violation, or "" when the fleet is back to full strength."""
+    budget = cfg.engines.startup_timeout_s + 60
+    try:
+        ev = await events.wait_for(lambda e: e.subject == slot and e.kind in ("handover", "restarted"),
+                                   timeout=budget, since=since)
+    except TimeoutError:
+        return f"{slot} was not replaced within {budget:g} s"
+    recover_s.append(round(ev.t - since, 3))
+    if fm.shadows is not None and ev.kind == "handover":
+        try:
+            await events.wait_for(lambda e: e.component == "shadow" and e.kind == "shadow_ready",
+                                  timeout=budget, since=ev.t)
+        except TimeoutError:
+            return f"the standby pool was not refilled within {budget:g} s after {slot}'s handover"
+    return ""
+
+
+def _dist(xs: list[float]) -> dict:
+    if not xs:
+        return {"n": 0}
+    s = sorted(xs)
+    return {"n": len(s), "median": s[len(s) // 2], "p95": s[min(len(s) - 1, int(0.95 * len(s)))], "max": s[-1]}
+
+
+def run_engine_campaign(faults: int, seed: int = 0, duration_s: float = 0.0, concurrency: int = 6, tokens: int = 48,
+                        overrides: Optional[list[str]] = None, progress: bool = True,
+                        run_dir: Optional[Path] = None) -> dict:
+    """Runs up to `faults` engine fault rounds under load (or until `duration_s` passes); returns the summary."""
+    from belayer_plugin.config import load_belayer_config
+
+    cfg, _ = load_belayer_config("demo", ["belayer.chaos.enabled=false", "belayer.monitor.probe_interval_s=0.2",
+                                          "belayer.monitor.probe_timeout_s=1", "belayer.monitor.boot_grace_s=0",
+                                          "belayer.recovery.stall_timeout_s=2", "belayer.engines.cpu_step_delay_ms=5",
+                                          *(overrides or [])])
+    rd = run_dir or Path(tempfile.mkdtemp(prefix="belayer-soak-engines-"))
+    rd.mkdir(parents=True, exist_ok=True)
+    return asyncio.run(_engine_campaign(cfg, rd, faults, seed, duration_s, concurrency, tokens, progress))
+
+
+# ------------------------------------------------------------------------------------------ output
+def summary_png(summary: dict, path: Path) -> None:
+    """One panel per campaign: what was hit, and the outcome figures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    camps = [c for c in ("envs", "engines") if c in summary]
+    fig, axes = plt.subplots(1, len(camps), figsize=(6.5 * len(camps), 4.2), squeeze=False)
+    for ax, c in zip(axes[0], camps):
+        s = summary[c]
+        st = s.get("stats", {})
+        if c == "envs":
+            keys = [k for k in sorted(st) if k.startswith("killed_during_")] + ["corrupted", "corrupt_detected",
+                                                                                 "recoveries", "rebuilt_from_image"]
+            title = f"sandboxes: {s['trials']} trials, {s['violations']} violations"
+        else:
+            keys = [k for k in sorted(st) if "@" in k] + ["resumed", "faults_missed"]
+            title = (f"engines: {s['faults']} faults, {s['requests']} requests: {s['lost']} lost, "
+                     f"{s['inconsistent']} inconsistent, {s['regenerated_tokens']} regenerated tokens")
+        vals = [st.get(k, 0) for k in keys]
+        ax.barh(keys, vals, color="tab:blue")
+        for y, v in enumerate(vals):
+            ax.text(v, y, f" {v}", va="center", fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("count")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`belayer soak` entry point (argv after `soak`)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="belayer soak", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("campaign", choices=["envs", "engines", "all"])
+    ap.add_argument("--trials", type=int, default=None,
+                    help="sandbox trials and engine faults (default 1000 and 200)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--duration", type=float, default=0.0, help="stop each campaign after this many seconds (0: none)")
+    ap.add_argument("--backend", choices=["podman", "docker", "both"], default="both")
+    ap.add_argument("--actions", type=int, default=5, help="actions per sandbox trial")
+    ap.add_argument("--mode", choices=["full", "fs_only"], default="full")
+    ap.add_argument("--concurrency", type=int, default=6, help="concurrent requests per engine round")
+    ap.add_argument("--tokens", type=int, default=48, help="tokens per request")
+    ap.add_argument("--out", default="", help="directory for soak.json and soak.png (default: a new temp dir)")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for the engine fleet (recipe demo)")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    out = Path(a.out or tempfile.mkdtemp(prefix="belayer-soak-"))
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"command": "belayer soak " + " ".join(argv if argv is not None else sys.argv[2:])}
+    if a.campaign in ("envs", "all"):
+        summary["envs"] = run_env_campaign(a.trials or 1000, a.seed, a.duration, a.backend, a.actions, a.mode,
+                                           progress=not a.no_progress)
+    if a.campaign in ("engines", "all"):
+        summary["engines"] = run_engine_campaign(a.trials or 200, a.seed, a.duration, a.concurrency, a.tokens,
+                                                 a.overrides, progress=not a.no_progress, run_dir=out / "engines")
+    (out / "soak.json").write_text(json.dumps(summary, indent=2, default=str))
+    try:
+        summary_png(summary, out / "soak.png")
+    except Exception as e:  # a plotting problem must not hide the result
+        print(f"(soak.png not drawn: {e})")
+    bad = 0
+    for c in ("envs", "engines"):
+        if c in summary:
+            s = summary[c]
+            bad += s["violations"]
+            if c == "envs":
+                print(f"RESULT envs trials={s['trials']} violations={s['violations']} "
+                      f"kills_delivered={s['stats'].get('kills_delivered', 0)}")
+            else:
+                print(f"RESULT engines faults={s['faults']} requests={s['requests']} lost={s['lost']} "
+                      f"inconsistent={s['inconsistent']} regenerated_tokens={s['regenerated_tokens']} "
+                      f"violations={s['violations']}")
+            for f in s["failures"][:5]:
+                print(f"  VIOLATION {f}")
+    print(f"summary: {out / 'soak.json'}\nfigure: {out / 'soak.png'}")
+    return 1 if bad else 0
