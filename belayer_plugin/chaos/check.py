@@ -85,18 +85,22 @@ def _standby_replaced(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
 
 def _refit_before_serving(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
     tgt = _fig(inj, "target")
-    rep = (_find(evs, "shadow", "handover", inj["t"], lambda e: e["subject"] == tgt) or
-           _find(evs, "restart", "restarted", inj["t"], lambda e: e["subject"] == tgt))
-    if not rep:
+    if not (_find(evs, "shadow", "handover", inj["t"], lambda e: e["subject"] == tgt) or
+            _find(evs, "restart", "restarted", inj["t"], lambda e: e["subject"] == tgt)):
         return f"{tgt} was never replaced after the kill, so no replacement could be refit"
-    t_rep = rep[0]["t"]
-    serving = _find(evs, "fleet", "phase", t_rep, lambda e: e["reason"] == "serving")
-    t_serve = serving[0]["t"] if serving else float("inf")
-    refits = _find(evs, "fleet", "refit_done", t_rep,
-                   lambda e: e["t"] <= t_serve and (_fig(e, "engines") or {}).get(tgt) == _fig(e, "version"))
-    if not refits:
-        return (f"{tgt}'s replacement was not brought to the new weight version before the fleet served again "
-                "(no refit_done listing it at that version)")
+    begins = _find(evs, "fleet", "refit_begin", inj["t"])
+    if not begins:
+        return "no refit followed the kill: the scenario tested nothing"
+    new = _fig(begins[0], "version")
+    all_begins = _find(evs, "fleet", "refit_begin")
+    regs = _find(evs, "fleet", "registered", inj["t"], lambda e: e["subject"] == tgt)
+    for reg in regs:  # never admitted to serve with weights other than the fleet's at that moment
+        cur = [_fig(b, "version") for b in all_begins if b["t"] <= reg["t"]]
+        if cur and _fig(reg, "version") != cur[-1]:
+            return f"{tgt}'s replacement was registered serving {_fig(reg, 'version')} while the fleet was at {cur[-1]}"
+    refit = _find(evs, "fleet", "refit_done", begins[0]["t"], lambda e: (_fig(e, "engines") or {}).get(tgt) == new)
+    if not refit and not any(_fig(r, "version") == new for r in regs):
+        return f"{tgt}'s replacement never served the new weight version {new}"
     return None
 
 
