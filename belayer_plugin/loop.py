@@ -37,9 +37,13 @@ class LoopConfig:
     seed: int = field(default=MISSING)
     learner_restarts: int = field(default=MISSING)
     step_timeout_s: float = field(default=MISSING)
+    shared_prefix_turns: int = field(default=MISSING)  # turns a GRPO group shares before its members diverge
+    fork_groups: bool = field(default=MISSING)  # members get the prefix's environment by fork (else by replay)
 
     def problems(self) -> list[str]:
         out = []
+        if not 0 <= self.shared_prefix_turns < self.turns:
+            out.append("shared_prefix_turns: must be >= 0 and < turns")
         for name in ("num_steps", "prompts_per_step", "group_size", "turns", "tokens_per_turn"):
             if getattr(self, name) < 1:
                 out.append(f"{name}: must be >= 1")
@@ -146,7 +150,7 @@ class ReferenceLoop:
         from belayer_plugin.fleet.manager import FleetManager
         from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
         from belayer_plugin.ray_cluster import init_ray
-        from belayer_plugin.rollout import TASK, run_trajectory
+        from belayer_plugin.rollout import TASK, run_group
         from belayer_plugin.sandbox.base import Sandbox, SandboxSpec
         from belayer_plugin.sandbox.checkpoint import CheckpointStore
 
@@ -196,15 +200,12 @@ class ReferenceLoop:
                 text = tok.apply_chat_template([{"role": "user", "content": f"{TASK} Episode {step}.{p}"}],
                                                tokenize=False, add_generation_prompt=True)
                 prompts.append(tok(text)["input_ids"])
-            jobs = []
-            for p, ids in enumerate(prompts):
-                for g in range(lc.group_size):
-                    i = p * lc.group_size + g
-                    jobs.append(run_trajectory(traj_id=f"s{step}-p{p}-g{g}", traj_index=i, step=step, prompt_ids=ids,
-                                               tokenizer=tok, gen=gen, sandbox_factory=factory, store=store, cfg=cfg,
-                                               loop_cfg=lc, events=self.events, chaos=self.chaos))
+            jobs = [run_group(group_id=f"s{step}-p{p}", first_index=p * lc.group_size, step=step, prompt_ids=ids,
+                              tokenizer=tok, gen=gen, sandbox_factory=factory, store=store, cfg=cfg, loop_cfg=lc,
+                              events=self.events, chaos=self.chaos) for p, ids in enumerate(prompts)]
             t_gen = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), lc.step_timeout_s)
+            groups = await asyncio.wait_for(asyncio.gather(*jobs), lc.step_timeout_s)
+            results = [r for g in groups for r in g]
             gen_s = time.monotonic() - t_gen
             done = [r for r in results if not isinstance(r, BaseException)]
             for r in results:

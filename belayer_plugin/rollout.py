@@ -50,6 +50,7 @@ class TrajectoryResult:
     checkpoints: int = 0
     checkpoint_wait_s: float = 0.0
     errors: list[str] = field(default_factory=list)
+    state: Optional["AgentState"] = None  # set when the run stopped early (`until`), sandbox still open
 
     def digest(self) -> str:
         """A short hash of the token ids and the final environment state (what golden runs compare)."""
@@ -67,39 +68,72 @@ def turn_seed(base: int, step: int, traj: int, turn: int) -> int:
     return (base * 1_000_003 + step * 10_007 + traj * 101 + turn) % (2**31)
 
 
+@dataclass
+class AgentState:
+    """Where a trajectory stands at a committed boundary: its recorder (sandbox), context and actions."""
+
+    recorder: Any
+    ctx: list[int]
+    mask: list[int]
+    actions: list[str]
+
+    @property
+    def turn(self) -> int:
+        return len(self.actions)
+
+
+def _new_recorder(traj_id: str, sandbox: Any, store: Any, sb_cfg: Any, on_event: Any) -> Any:
+    from belayer_plugin.sandbox.trajectory import TrajectoryRecorder
+
+    return TrajectoryRecorder(traj_id, sandbox, store, checkpoint_mode=sb_cfg.checkpoint_mode,
+                              checkpoint_timeout_s=sb_cfg.checkpoint_timeout_s,
+                              restore_timeout_s=sb_cfg.restore_timeout_s, restore_retries=sb_cfg.restore_retries,
+                              on_event=on_event)
+
+
 async def run_trajectory(*, traj_id: str, traj_index: int, step: int, prompt_ids: list[int], tokenizer: Any,
                          gen: Any, sandbox_factory: Any, store: Any, cfg: Any, loop_cfg: Any, events: EventLog,
-                         chaos: Any = None) -> TrajectoryResult:
-    """Runs one multi-turn trajectory to the end; raises TrajectoryFailed when it cannot."""
+                         chaos: Any = None, start: Optional[AgentState] = None, until: Optional[int] = None,
+                         prefix_index: Optional[int] = None, shared_turns: int = 0) -> TrajectoryResult:
+    """Runs one multi-turn trajectory to the end; raises TrajectoryFailed when it cannot.
+
+    `start` continues from a committed boundary (a forked or replayed group member) instead of a fresh
+    sandbox; turns below `shared_turns` sample with `prefix_index`'s seeds (the group's shared prefix, so
+    a member rolled back into it regenerates the same prefix); `until` stops after that many turns and
+    leaves the state in `result.state` with its sandbox open (the shared prefix of a group).
+    """
     from belayer_plugin.sandbox.base import SandboxError
     from belayer_plugin.sandbox.policy import CheckpointPolicy
-    from belayer_plugin.sandbox.trajectory import TrajectoryRecorder
 
     ft = cfg.use_fault_tolerance
     sb_cfg = cfg.sandbox
     on_event = events.callback("sandbox")
-    sandbox = await asyncio.to_thread(sandbox_factory, traj_id, on_event)
-    recorder = TrajectoryRecorder(traj_id, sandbox, store, checkpoint_mode=sb_cfg.checkpoint_mode,
-                                  checkpoint_timeout_s=sb_cfg.checkpoint_timeout_s,
-                                  restore_timeout_s=sb_cfg.restore_timeout_s, restore_retries=sb_cfg.restore_retries,
-                                  on_event=on_event)
+    if start is None:
+        sandbox = await asyncio.to_thread(sandbox_factory, traj_id, on_event)
+        recorder = _new_recorder(traj_id, sandbox, store, sb_cfg, on_event)
+    else:
+        recorder = start.recorder
     res = TrajectoryResult(traj_id, list(prompt_ids), [], [], [], "", 0.0)
     policy: Optional[CheckpointPolicy] = None
+    keep_open = False
+    last = loop_cfg.turns if until is None else until
     try:
-        # No checkpoint at boundary 0: a fresh container from the base image is that state already, and a
-        # synchronous checkpoint there would be visible overhead; the policy decides from boundary 1 on.
-        recorder.start(list(prompt_ids), [], checkpoint=False)
+        if start is None:
+            # No checkpoint at boundary 0: a fresh container from the base image is that state already, and a
+            # synchronous checkpoint there would be visible overhead; the policy decides from boundary 1 on.
+            recorder.start(list(prompt_ids), [], checkpoint=False)
+            ctx, mask, actions = list(prompt_ids), [0] * len(prompt_ids), []
+        else:
+            ctx, mask, actions = list(start.ctx), list(start.mask), list(start.actions)
         if ft:
             policy = CheckpointPolicy.from_config(sb_cfg.policy, recorder.checkpoint, subject=traj_id, on_event=on_event)
-        ctx = list(prompt_ids)
-        mask = [0] * len(ctx)
-        actions: list[str] = []
-        turn = 0
-        while turn < loop_cfg.turns:
+        turn = len(actions)
+        while turn < last:
             sp = {"max_new_tokens": loop_cfg.tokens_per_turn, "temperature": loop_cfg.temperature,
                   "ignore_eos": True}
             if loop_cfg.temperature > 0:  # SGLang's name; the CPU engine accepts it too
-                sp["sampling_seed"] = turn_seed(loop_cfg.seed, step, traj_index, turn)
+                who = prefix_index if prefix_index is not None and turn < shared_turns else traj_index
+                sp["sampling_seed"] = turn_seed(loop_cfg.seed, step, who, turn)
             t0 = time.monotonic()
             clog, resp = await gen.generate(f"{traj_id}-t{turn}", ctx, sp)
             res.gen_s += time.monotonic() - t0
@@ -143,17 +177,82 @@ async def run_trajectory(*, traj_id: str, traj_index: int, step: int, prompt_ids
             mask = mask + [1] * len(out) + [0] * len(obs)
             ctx = new_ctx + obs
             # The boundary's context includes the observation, exactly what the agent continues from.
-            boundary = recorder.commit(ctx, [], result.exit_code)
-            if policy is not None and turn + 1 < loop_cfg.turns:
+            boundary = recorder.commit(ctx, [result.output], result.exit_code)
+            if policy is not None and turn + 1 < last:
                 policy.maybe_checkpoint_async(boundary)  # overlaps the next generation
             turn += 1
+        if policy is not None:
+            await asyncio.to_thread(policy.close)  # waits for a checkpoint in flight: a fork may use it
+            res.checkpoints = policy.stats.succeeded
+            policy = None
+        if until is not None:
+            res.token_ids, res.gen_mask, res.actions = ctx, mask, actions
+            res.state, keep_open = AgentState(recorder, ctx, mask, actions), True
+            return res
         state = (await asyncio.to_thread(recorder.sandbox.exec, STATE_CMD, sb_cfg.exec_timeout_s)).stdout
         res.token_ids, res.gen_mask, res.actions, res.final_state = ctx, mask, actions, state
         res.reward = reward_of(state)
-        if policy is not None:
-            res.checkpoints = policy.stats.succeeded
         return res
     finally:
         if policy is not None:
             policy.close()
-        await asyncio.to_thread(recorder.close)
+        if not keep_open:
+            await asyncio.to_thread(recorder.close)
+
+
+async def run_group(*, group_id: str, first_index: int, step: int, prompt_ids: list[int], cfg: Any, loop_cfg: Any,
+                    events: EventLog, sandbox_factory: Any, store: Any, **kw: Any) -> list[Any]:
+    """A GRPO group whose members share the first `loop.shared_prefix_turns` turns, then diverge.
+
+    The prefix runs once. Its environment reaches the members by fork (`loop.fork_groups`: one full
+    checkpoint restored into every member's container) or by replay (each member a fresh sandbox with the
+    prefix's committed actions executed again); either way each member's context is the prefix's. Returns
+    one TrajectoryResult or exception per member (as gather does).
+    """
+    k, n = loop_cfg.shared_prefix_turns, loop_cfg.group_size
+    common = dict(step=step, prompt_ids=prompt_ids, cfg=cfg, loop_cfg=loop_cfg, events=events,
+                  sandbox_factory=sandbox_factory, store=store, prefix_index=first_index, shared_turns=k, **kw)
+    ids = [f"{group_id}-g{g}" for g in range(n)]
+    if k <= 0:
+        return await asyncio.gather(*(run_trajectory(traj_id=t, traj_index=first_index + g, **common)
+                                      for g, t in enumerate(ids)), return_exceptions=True)
+    t0 = time.monotonic()
+    try:
+        pre = await run_trajectory(traj_id=f"{group_id}-prefix", traj_index=first_index, until=k, **common)
+    except BaseException as e:  # the whole group is lost with its prefix
+        return [e] * n
+    on_event = events.callback("sandbox")
+    try:
+        if loop_cfg.fork_groups:
+            branches = await asyncio.to_thread(pre.state.recorder.fork, n, None, 0, ids)
+            starts = [AgentState(b, pre.state.ctx, pre.state.mask, pre.state.actions) for b in branches]
+        else:
+            starts = await asyncio.gather(*(asyncio.to_thread(_replay_prefix, pre.state, t, sandbox_factory, store,
+                                                              cfg.sandbox, on_event) for t in ids))
+    finally:
+        await asyncio.to_thread(pre.state.recorder.close)
+    events.emit("rollout", group_id, "group_prefix", f"{k} shared turns reached {n} members by "
+                f"{'fork' if loop_cfg.fork_groups else 'replay'}", members=n, shared_turns=k,
+                mode="fork" if loop_cfg.fork_groups else "replay", duration_s=round(time.monotonic() - t0, 3))
+    out = await asyncio.gather(*(run_trajectory(traj_id=t, traj_index=first_index + g, start=st, **common)
+                                 for g, (t, st) in enumerate(zip(ids, starts))), return_exceptions=True)
+    for r in out:
+        if isinstance(r, TrajectoryResult):
+            r.gen_s += pre.gen_s / n
+    return out
+
+
+def _replay_prefix(pre: AgentState, traj_id: str, sandbox_factory: Any, store: Any, sb_cfg: Any,
+                   on_event: Any) -> AgentState:
+    """A fresh sandbox with the prefix's committed actions executed again, recorded at the same boundaries."""
+    src = pre.recorder.boundaries
+    rec = _new_recorder(traj_id, sandbox_factory(traj_id, on_event), store, sb_cfg, on_event)
+    rec.start(list(src[0].token_ids), [], checkpoint=False)
+    for b in src[1:]:
+        _, result = rec.execute(b.action, b.token_ids, b.messages,
+                                run=lambda sb, a: sb.exec(a, sb_cfg.exec_timeout_s))
+        if result.exit_code != b.result or [result.output] != b.messages:
+            raise TrajectoryFailed(f"{traj_id}: replaying action {b.index} of the shared prefix gave a different "
+                                   f"result ({result.exit_code}, {result.output!r}); the environment is not "
+                                   f"deterministic, use loop.fork_groups=true")
+    return AgentState(rec, pre.ctx, pre.mask, pre.actions)

@@ -291,12 +291,14 @@ class TrajectoryRecorder:
             pass
 
     # -- fork ---------------------------------------------------------------------------------------
-    def fork(self, n: int, boundary: Optional[int] = None, workers: int = 0) -> list["TrajectoryRecorder"]:
+    def fork(self, n: int, boundary: Optional[int] = None, workers: int = 0,
+             ids: Optional[list[str]] = None) -> list["TrajectoryRecorder"]:
         """n independent branches continuing from `boundary` (default: the last committed one).
 
         Each branch gets its own container restored from the checkpoint at that boundary (taken now if the
         last boundary has none), a copy of the context up to it (prefix consistency per branch) and the
-        checkpoint adopted under its own id `<id>.<i>` so it can roll back to the fork point on its own.
+        checkpoint adopted under its own id (`ids`, default `<id>.<i>`) so it can roll back to the fork
+        point on its own.
         Raises RuntimeError while an action is in flight (its effect is uncertain: nothing to fork from).
         """
         from belayer_plugin.sandbox.fork import adopt_checkpoint, fork_sandboxes
@@ -315,7 +317,7 @@ class TrajectoryRecorder:
             ck = self.checkpoint(b)
             if ck is None:
                 raise RuntimeError(f"could not checkpoint boundary {b} to fork from (the trajectory moved on)")
-        ids = [f"{self.trajectory_id}.{i}" for i in range(n)]
+        ids = list(ids) if ids is not None else [f"{self.trajectory_id}.{i}" for i in range(n)]
         sandboxes = fork_sandboxes(ck, self.backend, n, store=self.store, sandbox_ids=ids,
                                    timeout_s=self.restore_timeout_s, exec_timeout_s=self.sandbox.exec_timeout_s,
                                    workers=workers, on_event=self.on_event)

@@ -1,0 +1,41 @@
+"""The reference loop's GRPO group built from sandbox forks equals the same group built by replaying the
+shared prefix (token ids, final sandbox state, rewards), and its members still diverge after the prefix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.containers, pytest.mark.slow]
+
+OVERRIDES = ["belayer.chaos.enabled=false", "loop.num_steps=1", "loop.prompts_per_step=1", "loop.group_size=3",
+             "loop.turns=3", "loop.shared_prefix_turns=2"]
+
+
+def run(tmp: Path, fork: bool) -> tuple[dict, list[dict]]:
+    d = tmp / ("fork" if fork else "replay")
+    p = subprocess.run([sys.executable, "-m", "belayer_plugin.cli", "run", "demo", f"belayer.run_dir={d}",
+                        f"loop.fork_groups={str(fork).lower()}", *OVERRIDES],
+                       capture_output=True, text=True, timeout=800)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    events = [json.loads(line) for line in (d / "events.jsonl").read_text().splitlines() if line.strip()]
+    return json.loads((d / "report.json").read_text()), events
+
+
+@pytest.mark.timeout(900)
+def test_forked_group_equals_replayed_group(tmp_path):
+    forked, fev = run(tmp_path, fork=True)
+    replayed, rev = run(tmp_path, fork=False)
+    key = lambda r: [(t["id"], t["digest"], t["reward"], t["final_state"]) for t in r["trajectories"]]  # noqa: E731
+    assert forked["status"] == replayed["status"] == "ok"
+    assert key(forked) == key(replayed)
+    assert len({t["digest"] for t in forked["trajectories"]}) > 1  # members diverged after the shared prefix
+    forks = [e for e in fev if e["kind"] == "fork"]
+    assert len(forks) == 1 and forks[0]["figures"]["branches"] == ["s1-p0-g0", "s1-p0-g1", "s1-p0-g2"]
+    assert not [e for e in rev if e["kind"] == "fork"]
+    modes = [e["figures"]["mode"] for e in fev + rev if e["kind"] == "group_prefix"]
+    assert modes == ["fork", "replay"]
