@@ -16,6 +16,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from aiohttp import web
 log = logging.getLogger("belayer.cpu_engine")
 
 VERSION = "belayer-cpu-engine-0.1"
+_POISON_TOKEN_ID = -1  # test-only chaos switch (--chaos-poison-token-id); -1: off
 
 # Sampling parameters SGLang accepts that this engine honours, and those it accepts but ignores because
 # they have no effect on the tiny model's single-sequence decoding (rejecting them would break trainers).
@@ -238,6 +240,9 @@ class Engine:
         out = []
         with torch.no_grad():
             for req in batch:
+                if req.cache is None and _POISON_TOKEN_ID >= 0 and _POISON_TOKEN_ID in req.prompt_ids:
+                    # Chaos only: a deterministic poison request takes the whole server down.
+                    os.kill(os.getpid(), signal.SIGKILL)
                 if req.cache is None:  # prefill: prompt (+ already generated ids, none here)
                     ids = torch.tensor([req.prompt_ids + req.output_ids])
                     self.counters["prompt_tokens"] += ids.shape[1]
@@ -563,7 +568,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--step-delay-ms", type=float, default=0.0, help="emulated extra latency per decode step")
+    # Test-only (chaos): the fleet sets the variable only with chaos.enabled and chaos.poison_token_id >= 0.
+    p.add_argument("--chaos-poison-token-id", type=int,
+                   default=int(os.environ.get("BELAYER_CHAOS_POISON_TOKEN_ID", "-1")),
+                   help="test only: SIGKILL this server when a prompt holds this token id (-1: off)")
     args = p.parse_args(argv)
+    global _POISON_TOKEN_ID
+    _POISON_TOKEN_ID = args.chaos_poison_token_id
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     async def serve() -> None:

@@ -14,7 +14,7 @@ import logging
 import os
 import signal as _signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -25,7 +25,8 @@ from belayer_plugin.metrics import FleetMetrics
 from belayer_plugin.fleet.health import EngineHealth, Signal, State
 from belayer_plugin.fleet.launch import resolve_model_path
 from belayer_plugin.fleet.monitor import HealthMonitor
-from belayer_plugin.fleet.policy import Decision, FleetBelowFloorError, RestartPolicy
+from belayer_plugin.fleet.nodes import Death, NodeHealth, Verdict
+from belayer_plugin.fleet.policy import FleetBelowFloorError, RestartPolicy
 from belayer_plugin.fleet.router import Router, RouterError
 from belayer_plugin.fleet.shadow import Shadow, ShadowPool
 
@@ -61,7 +62,7 @@ class Slot:
     fault_t: Optional[float] = None  # when the current fault was first observed (for detection figures)
     served_version: str = ""
     handover_t: Optional[float] = None  # when a shadow last took this slot over (monotonic)
-    excluded: str = ""  # why the slot is excluded for good (suspected hardware fault)
+    rids: set[str] = field(default_factory=set)  # requests in flight on the current incarnation
 
 
 @dataclass
@@ -84,7 +85,10 @@ class FleetManager:
         self.model_path = model_path or resolve_model_path(cfg)
         self.engine_model_path = self.model_path  # the shared-memory copy when shadow.shared_weights
         self.ft = cfg.use_fault_tolerance  # off: engines run, but nothing watches, restarts or hands over
-        self.excluded_nodes: set[str] = set()
+        self.nodes = NodeHealth(cfg.restart.node_exclusion_slots, cfg.shadow.fault_window_s,
+                                cfg.restart.node_exclusion_decay_s)
+        self._absolved: set[tuple[str, int]] = set()  # (slot, incarnation) deaths a poison request caused
+        self._node_checks: dict[str, asyncio.Task] = {}
         self.holder: Any = None
         self.shadows: Optional[ShadowPool] = None
         self.slots: dict[str, Slot] = {}
@@ -97,6 +101,7 @@ class FleetManager:
         self.fatal: Optional[FleetBelowFloorError] = None
         self._changed = asyncio.Condition()
         self._closing = False
+        self._bg: set[asyncio.Task] = set()
         # Extra Ray options per engine or standby id (e.g. a trainer's placement group bundle); None: none.
         self.actor_options: Optional[Callable[[str], dict]] = None
 
@@ -135,6 +140,8 @@ class FleetManager:
 
         self._closing = True
         await self.monitor.stop()
+        for t in [*self._node_checks.values(), *self._bg]:
+            t.cancel()
         if self.shadows is not None:
             await self.shadows.shutdown()
         tasks = [s.recovery for s in self.slots.values() if s.recovery and not s.recovery.done()]
@@ -158,6 +165,133 @@ class FleetManager:
             except Exception:
                 pass
             ray.kill(self.holder, no_restart=True)
+
+    # ----------------------------------------------------------------- nodes
+    @property
+    def excluded_nodes(self) -> set[str]:
+        """Ray nodes that may not host engines now (node evidence; see fleet/nodes.py)."""
+        for n in self.nodes.decay(time.monotonic()):
+            self.events.emit("fleet", n, "node_readmitted",
+                             f"exclusion decayed after restart.node_exclusion_decay_s="
+                             f"{self.cfg.restart.node_exclusion_decay_s:g} s")
+        return set(self.nodes.excluded)
+
+    def readmit_node(self, node: str) -> bool:
+        """Lifts a node's exclusion by hand (e.g. after the machine was repaired); True if it was excluded."""
+        ok = self.nodes.readmit(node)
+        if ok:
+            self.events.emit("fleet", node, "node_readmitted", "re-admitted by hand")
+        return ok
+
+    def exclusions(self) -> dict[str, str]:
+        """{node: why it is excluded}, for reports."""
+        return {n: why for n, (_, why) in self.nodes.excluded.items()}
+
+    async def _alive_nodes(self) -> list[str]:
+        import ray
+
+        nodes = await asyncio.to_thread(ray.nodes)
+        return sorted(n["NodeID"] for n in nodes if n.get("Alive"))
+
+    async def placement(self, role: str) -> dict:
+        """Ray options placing a new engine ("engine") or standby ("standby") on a node that may host it.
+
+        Nothing is pinned while no node is excluded (Ray places it), except standbys with
+        shadow.placement=spread, which go to the alive node with the fewest standbys, then engines.
+        """
+        excluded = self.excluded_nodes
+        spread = role == "standby" and self.cfg.shadow.placement == "spread"
+        if not excluded and not spread:
+            return {}
+        allowed = [n for n in await self._alive_nodes() if n not in excluded]
+        if not allowed:
+            return {}
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        load = {n: [0, 0] for n in allowed}
+        for s in self.slots.values():
+            if s.info is not None and s.info.node_id in load:
+                load[s.info.node_id][1] += 1
+        for node in (self.shadows.nodes() if self.shadows is not None else []):
+            if node in load:
+                load[node][0] += 1
+        node = min(allowed, key=lambda n: (load[n] if spread else load[n][::-1], n))
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+    def actor_env(self) -> dict:
+        """Ray options passing chaos-only switches to CPU engines (never without chaos.enabled)."""
+        c = self.cfg.chaos
+        if c.enabled and c.poison_token_id >= 0 and self.cfg.engines.kind == "cpu":
+            return {"runtime_env": {"env_vars": {"BELAYER_CHAOS_POISON_TOKEN_ID": str(c.poison_token_id)}}}
+        return {}
+
+    async def actor_opts(self, sid: str, role: str) -> dict:
+        """All Ray options for a new engine or standby: a trainer's own placement wins over Belayer's."""
+        if self.actor_options:
+            return {**self.actor_options(sid), **self.actor_env()}
+        try:
+            return {**await self.placement(role), **self.actor_env()}
+        except Exception:  # the GCS did not answer: let Ray place it
+            return self.actor_env()
+
+    def note_death(self, node: str, position: str, incarnation: int, rids: frozenset = frozenset()) -> None:
+        """Feeds one engine or standby death into node health; excludes the node on node evidence."""
+        if (position, incarnation) in self._absolved or not node or self._closing:
+            return
+        t = asyncio.ensure_future(self._note_death(Death(node, position, incarnation, time.monotonic(), rids)))
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    async def _note_death(self, d: Death) -> None:
+        try:
+            hosts = await self._alive_nodes()
+        except Exception:  # GCS unreachable: no verdict now (never exclude on missing information)
+            return
+        if (d.position, d.incarnation) in self._absolved:
+            return
+        self._verdict(self.nodes.record_death(d, hosts))
+
+    def _verdict(self, v: Optional[Verdict]) -> None:
+        if v is None:
+            return
+        if v.action == "exclude":
+            self.events.emit("fleet", v.node, "node_excluded", v.reason, level="error")
+        else:
+            self.events.emit("fleet", v.node, "node_exclusion_refused", v.reason, level="warning")
+
+    def check_node(self, node: str) -> None:
+        """An actor on `node` is unreachable: asks Ray (bounded) whether the node itself is dead."""
+        t = self._node_checks.get(node)
+        if node and (t is None or t.done()) and not self.nodes.is_excluded(node) and not self._closing:
+            self._node_checks[node] = asyncio.create_task(self._check_node(node), name=f"node-check-{node[:8]}")
+
+    async def _check_node(self, node: str) -> None:
+        deadline = time.monotonic() + self.cfg.restart.node_check_timeout_s
+        while not self._closing:
+            try:
+                alive = node in await self._alive_nodes()
+            except Exception:
+                alive = True
+            if not alive:
+                self._verdict(self.nodes.node_dead(node, time.monotonic(), f"Ray reports node {node[:12]} dead"))
+                return
+            if time.monotonic() >= deadline:
+                return
+            # The GCS marks a lost node dead only after its health checks fail (seconds): there is no
+            # event to await from here, so ask once a second until restart.node_check_timeout_s.
+            await asyncio.sleep(1.0)
+
+    def absolve(self, rid: str, deaths: list[tuple[str, int]], reason: str) -> None:
+        """A poison request caused these (slot, incarnation) deaths: refund their restarts, forget them as
+        node evidence, and say so in the events."""
+        refunded = []
+        for slot, inc in deaths:
+            self._absolved.add((slot, inc))
+            self.nodes.forget(slot, inc)
+            if self.policy.refund(slot, (slot, inc)):
+                refunded.append(slot)
+        self.events.emit("fleet", rid, "poison_request", reason, level="error", deaths=[list(d) for d in deaths],
+                         refunded=refunded)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -232,14 +366,14 @@ class FleetManager:
         self._transition_event(tr)
         if tr.to_state is State.HEALTHY:
             s.fault_t = None
+        if sig is Signal.UNAVAILABLE and s.info is not None:
+            self.check_node(s.info.node_id)
         if tr.to_state is State.DEAD:
             crashed = sig in (Signal.LIVENESS_LOST, Signal.PROBE_FAILED)  # not a fence of our own
-            if crashed and s.handover_t is not None and now - s.handover_t < self.cfg.shadow.fault_window_s:
-                # The shadow died soon after taking over the same slot: suspect the node, not the engine.
-                s.excluded = (f"failed again {now - s.handover_t:.1f} s after a handover "
-                              f"(shadow.fault_window_s={self.cfg.shadow.fault_window_s:g}): suspected hardware fault")
-                if s.info is not None:
-                    self.excluded_nodes.add(s.info.node_id)
+            if crashed and s.info is not None:
+                # Node evidence only together with other slots' deaths (fleet/nodes.py), never alone.
+                self.note_death(s.info.node_id, slot_id, incarnation, frozenset(s.rids))
+            s.rids = set()
             first_seen = s.fault_t or time.time()
             self.events.emit("monitor", slot_id, "detected", reason, level="warning", signal=sig.value,
                              incarnation=incarnation, phase=self.phase.value,
@@ -250,6 +384,8 @@ class FleetManager:
         await self._notify()
 
     def _transition_event(self, tr: Any) -> None:
+        if tr.to_state is State.HEALTHY:
+            self.monitor.end_grace(tr.engine, tr.incarnation)  # serving: under full readiness bounds from now
         level = "warning" if tr.to_state in (State.DEAD, State.SUSPECT, State.RETIRED) else "info"
         self.events.emit("fleet", tr.engine, "transition", tr.reason, tr.from_state.value, tr.to_state.value,
                          level=level, signal=tr.signal.value, incarnation=tr.incarnation)
@@ -299,7 +435,7 @@ class FleetManager:
 
         from belayer_plugin.engines.actor import EngineStartError
 
-        cls = remote_engine_actor(self.cfg.engines, **(self.actor_options(s.slot_id) if self.actor_options else {}))
+        cls = remote_engine_actor(self.cfg.engines, **await self.actor_opts(s.slot_id, "engine"))
         s.actor = cls.remote(s.slot_id, self.cfg.engines, self.engine_model_path, str(self.run_dir / "engines"))
         try:
             s.info = await s.actor.start.remote()
@@ -382,9 +518,8 @@ class FleetManager:
                 await self._kill(s)
                 self.events.emit("fleet", s.slot_id, "killed", "fenced before restart", incarnation=s.health.incarnation)
                 now = time.monotonic()
+                cause = (s.slot_id, s.health.incarnation)  # the death this restart answers (refundable)
                 decision = self.policy.decide(s.slot_id, now)
-                if s.excluded:
-                    decision = Decision("retire", 0.0, decision.restarts_in_window, s.excluded)
                 if decision.action == "retire":
                     await self._apply(s, Signal.RETIRE, decision.reason)
                     s.actor, s.info = None, None
@@ -396,15 +531,24 @@ class FleetManager:
                                          usable=e.usable, floor=e.floor)
                         await self._notify()
                     return
-                shadow = self.shadows.take() if self.shadows is not None else None
-                if shadow is not None:
-                    self.policy.record_restart(s.slot_id, time.monotonic())  # a handover spends budget too
-                    if await self._handover(s, shadow):
-                        continue
-                if decision.delay_s > 0:
+                backed_off = False
+                if decision.restarts_in_window > 0 and decision.delay_s > 0:
+                    # Died again within the window (a crash loop?): back off before spending another engine,
+                    # standby or not. The first death of a window is answered at once by a standby.
                     self.events.emit("restart", s.slot_id, "backoff", decision.reason, delay_s=decision.delay_s)
                     await asyncio.sleep(decision.delay_s)  # the backoff itself
-                self.policy.record_restart(s.slot_id, time.monotonic())
+                    backed_off = True
+                shadow = self.shadows.take() if self.shadows is not None else None
+                if shadow is not None:
+                    if cause not in self._absolved:
+                        self.policy.record_restart(s.slot_id, time.monotonic(), cause)  # a handover spends budget
+                    if await self._handover(s, shadow):
+                        continue
+                if decision.delay_s > 0 and not backed_off:
+                    self.events.emit("restart", s.slot_id, "backoff", decision.reason, delay_s=decision.delay_s)
+                    await asyncio.sleep(decision.delay_s)  # the backoff itself
+                if shadow is None and cause not in self._absolved:
+                    self.policy.record_restart(s.slot_id, time.monotonic(), cause)
                 await self._apply(s, Signal.RESTART_BEGUN, decision.reason)
                 t0 = time.monotonic()
                 await self._bring_up(s)
@@ -444,6 +588,7 @@ class FleetManager:
         await self._apply(s, Signal.RESTART_BEGUN, f"handover to {sh.sid}")
         # External weights: the standby keeps what it has and the slot stays STALE until the trainer's refit.
         s.actor, s.info, s.served_version = sh.actor, sh.info, version if want.external else want.version
+        s.rids = set()
         self.monitor.watch(s.slot_id, s.health.incarnation, s.actor, s.info.url)
         await self._apply(s, Signal.STARTED, f"{sh.sid} at {sh.info.url}")
         await self._make_current(s)

@@ -9,7 +9,9 @@ Two independent signals, as NeMo-RL's review taught:
   (`/get_model_info`, no generation) still finds a hung server. Each engine is probed by its own task, so
   one slow engine never delays another; a failed probe is retried at once, so a hung engine is declared
   dead within probe_interval_s + failure_threshold x probe_timeout_s, in every phase.
-The boot grace is an absolute deadline armed when an incarnation is watched, never by resume().
+The boot grace covers only an incarnation's boot: it is armed when the incarnation is watched (never by
+resume()) and ends at its first successful /health_generate or when the fleet declares it HEALTHY
+(`end_grace`), whichever comes first; from then on it is under the full readiness bounds.
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ class HealthMonitor:
         w.tasks = [asyncio.create_task(self._liveness(w), name=f"liveness-{engine}"),
                    asyncio.create_task(self._readiness(w), name=f"readiness-{engine}")]
         self._watches[engine] = w
+
+    def end_grace(self, engine: str, incarnation: int) -> None:
+        """Ends the boot grace of an incarnation (it turned HEALTHY): failed probes count from now on."""
+        w = self._watches.get(engine)
+        if w is not None and w.incarnation == incarnation:
+            w.boot_deadline = 0.0
+
+    def in_grace(self, engine: str) -> bool:
+        w = self._watches.get(engine)
+        return w is not None and time.monotonic() < w.boot_deadline
 
     def unwatch(self, engine: str) -> None:
         w = self._watches.pop(engine, None)
@@ -132,6 +144,8 @@ class HealthMonitor:
             if epoch != self._epoch:
                 continue  # the phase changed mid-probe: the result is about the other kind of probe
             if ok:
+                if path == "/health_generate":
+                    w.boot_deadline = 0.0  # it generated: booted, the grace is over
                 await self._emit(w, Signal.PROBE_OK, "")
                 await asyncio.sleep(self.cfg.probe_interval_s)  # the probe period, not synchronisation
             elif time.monotonic() < w.boot_deadline:

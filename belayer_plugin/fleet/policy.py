@@ -39,10 +39,10 @@ class RestartPolicy:
 
     def __init__(self, cfg: RestartConfig):
         self.cfg = cfg
-        self._restarts: dict[str, list[float]] = defaultdict(list)
+        self._restarts: dict[str, list[tuple[float, object]]] = defaultdict(list)
 
     def restarts_in_window(self, engine: str, now: float) -> int:
-        times = [t for t in self._restarts[engine] if now - t < self.cfg.window_s]
+        times = [(t, tag) for t, tag in self._restarts[engine] if now - t < self.cfg.window_s]
         self._restarts[engine] = times
         return len(times)
 
@@ -55,8 +55,17 @@ class RestartPolicy:
         delay = min(self.cfg.backoff_max_s, self.cfg.backoff_initial_s * self.cfg.backoff_multiplier ** n)
         return Decision("restart", delay, n, f"restart {n + 1} of {self.cfg.max_restarts} in the window")
 
-    def record_restart(self, engine: str, now: float) -> None:
-        self._restarts[engine].append(now)
+    def record_restart(self, engine: str, now: float, cause: object = None) -> None:
+        """Spends one restart of the engine's budget; `cause` names the death it answers (for refunds)."""
+        self._restarts[engine].append((now, cause))
+
+    def refund(self, engine: str, cause: object) -> bool:
+        """Gives back the restart spent on `cause` (a death a poison request caused); True if there was one."""
+        for i, (_, tag) in enumerate(self._restarts[engine]):
+            if tag == cause:
+                del self._restarts[engine][i]
+                return True
+        return False
 
     def check_floor(self, engines: Iterable[EngineHealth]) -> None:
         """Raises FleetBelowFloorError when fewer engines than the floor can still serve.

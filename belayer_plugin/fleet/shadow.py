@@ -43,6 +43,8 @@ class ShadowPool:
         self._count = 0
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
+        self._placing = asyncio.Lock()
+        self._starting: dict[str, str] = {}  # standby id -> the node it is being placed on
 
     @property
     def target(self) -> int:
@@ -52,10 +54,9 @@ class ShadowPool:
         """Brings up every standby (the fleet's start waits for them: a handover needs one ready)."""
         await asyncio.gather(*(self._add() for _ in range(self.target)))
 
-    def _options(self) -> dict:
-        if self.cfg.placement == "spread":
-            return {"scheduling_strategy": "SPREAD"}
-        return {}
+    def nodes(self) -> list[str]:
+        """The Ray nodes the ready standbys run on (for spread placement)."""
+        return [sh.info.node_id for sh in self.ready] + list(self._starting.values())
 
     async def _add(self) -> Optional[Shadow]:
         """Starts one standby, brings it to the current version, parks it (memory released if configured)."""
@@ -63,8 +64,12 @@ class ShadowPool:
         sid = f"shadow-{self._count}"
         self._count += 1
         t0 = time.monotonic()
-        extra = fm.actor_options(sid) if fm.actor_options else {}
-        cls = remote_engine_actor(fm.cfg.engines, **{**self._options(), **extra})
+        async with self._placing:  # one at a time, so concurrent starts see each other's nodes
+            opts = await fm.actor_opts(sid, "standby")
+            node = getattr(opts.get("scheduling_strategy"), "node_id", None)
+            if node:
+                self._starting[sid] = node
+        cls = remote_engine_actor(fm.cfg.engines, **opts)
         # The base model under the current version's name only when that version is the base model.
         base_is_current = fm.weights.path is None and not fm.weights.external
         actor = cls.remote(sid, fm.cfg.engines, fm.engine_model_path, str(fm.run_dir / "engines"),
@@ -82,9 +87,11 @@ class ShadowPool:
                 await actor.call.remote("POST", "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
                 released = True
         except Exception as e:
+            self._starting.pop(sid, None)
             self._kill(actor)
             fm.events.emit("shadow", sid, "shadow_failed", f"{type(e).__name__}: {e}"[:300], level="warning")
             return None
+        self._starting.pop(sid, None)
         sh = Shadow(sid, actor, info, version, released)
         sh.watcher = asyncio.create_task(self._watch(sh), name=f"watch-{sid}")
         self.ready.append(sh)
@@ -110,7 +117,12 @@ class ShadowPool:
             raise
         except Exception as e:
             reason = f"actor died: {type(e).__name__}"
+            import ray
+
+            if isinstance(e, ray.exceptions.ActorUnavailableError):
+                self.fleet.check_node(sh.info.node_id)  # unreachable: maybe its node is gone
         if sh in self.ready:
+            self.fleet.note_death(sh.info.node_id, sh.sid, 0)
             self.ready.remove(sh)
             self._kill(sh.actor)
             self.fleet.events.emit("shadow", sh.sid, "shadow_lost", reason, level="warning", pool=len(self.ready))

@@ -74,6 +74,21 @@ class ContextLog:
         lps = segment_logprobs[have:] if segment_logprobs is not None else None
         return self.append(seg, segment_ids[have:], lps, weight_version)
 
+    def truncate(self, n: int) -> None:
+        """Keeps the first n committed tokens (a stop string matched inside the last chunk)."""
+        drop = self.committed - n
+        if drop <= 0:
+            return
+        del self.output_ids[n:]
+        del self.logprobs[n:]
+        if self.segments:
+            self.segments[-1].end -= drop
+
+    def restart(self) -> None:
+        """Drops every committed token: the request goes again from its prompt (resume was refused)."""
+        self.output_ids.clear()
+        self.logprobs.clear()
+
     def summary(self) -> dict:
         return {"segments": [s.__dict__ for s in self.segments], "attempts": len(self.segments),
                 "resumed_from": [s.start for s in self.segments[1:]]}

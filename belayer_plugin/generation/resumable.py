@@ -5,6 +5,11 @@ chunked mode, for backends reached by RPC rather than HTTP). When the engine fai
 refused connection, 5xx, no token within the stall timeout) the request goes on from prompt + committed
 ids on another healthy engine, with max_new_tokens reduced and stop conditions kept; the failed engine is
 reported to the fleet at once. After `max_attempts` the request alone fails, with a typed error.
+
+Sampling parameters that cannot be continued exactly from a cut (resume_policy.py) make the request start
+again from its prompt instead (a request-level retry, with a `resume_refused` event). A request whose
+engines died `poison_max_deaths` times before it got a token from them is poison: it fails alone with
+RequestPoisonedError, and the fleet is told so that those deaths cost no restart budget or node health.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import httpx
 from belayer_plugin.config import RecoveryConfig
 from belayer_plugin.events import EventLog
 from belayer_plugin.generation.context_log import ContextLog, Segment
+from belayer_plugin.generation.resume_policy import (UnsupportedRequestError, check_request, resume_refusals,
+                                                     stop_strings)
 from belayer_plugin.generation.sglang_http import GenerateError, generate, generate_stream
 
 
@@ -32,10 +39,22 @@ class RequestFailedError(RuntimeError):
         super().__init__(f"request {rid}: {reason}{tail}")
 
 
+class RequestPoisonedError(RequestFailedError):
+    """The request itself crashes engines: it was in flight on engines that died before giving it a token,
+    `recovery.poison_max_deaths` times. It is failed alone and not resumed onto any other engine."""
+
+    def __init__(self, rid: str, engines: list[str], log: Optional[ContextLog] = None):
+        self.engines = engines
+        super().__init__(rid, f"quarantined as a poison request: engines {engines} died with it in flight "
+                              f"before giving it a token (recovery.poison_max_deaths={len(engines)})",
+                         log, status=422)
+
+
 @dataclass(frozen=True)
 class Target:
     engine: str
     url: str
+    incarnation: int = -1  # the engine incarnation picked (fleet selectors), -1 when unknown
 
 
 class Selector(Protocol):
@@ -60,17 +79,38 @@ class FleetSelector:
             try:
                 slot = self.fleet.pick_engine_excluding_urls(exclude)
                 slot.inflight += 1
-                return Target(slot.slot_id, slot.info.url)
+                return Target(slot.slot_id, slot.info.url, slot.health.incarnation)
             except NoHealthyEngineError:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise
                 await self.fleet.wait_changed(left)  # woken by the next health transition
 
-    def release(self, target: Target) -> None:
+    @property
+    def tokenizer_path(self) -> Optional[str]:
+        return getattr(self.fleet, "model_path", None)
+
+    def _slot(self, target: Target) -> Any:
         slot = self.fleet.slots.get(target.engine)
-        if slot is not None and slot.info is not None and slot.info.url == target.url and slot.inflight > 0:
+        if slot is not None and slot.info is not None and slot.info.url == target.url:
+            return slot
+        return None
+
+    def bind(self, target: Target, rid: str) -> None:
+        """Records that `rid` is in flight on the target (a death then names its requests)."""
+        slot = self._slot(target)
+        if slot is not None:
+            slot.rids.add(rid)
+
+    def release(self, target: Target, rid: Optional[str] = None) -> None:
+        slot = self._slot(target)
+        if slot is not None and slot.inflight > 0:
             slot.inflight -= 1
+        if slot is not None and rid is not None:
+            slot.rids.discard(rid)
+
+    def poisoned(self, rid: str, targets: list[Target], reason: str) -> None:
+        self.fleet.absolve(rid, [(t.engine, t.incarnation) for t in targets], reason)
 
     async def failed(self, target: Target, reason: str) -> None:
         from belayer_plugin.fleet.health import Signal
@@ -108,7 +148,8 @@ class ResumableGenerator:
     """Runs SGLang-style /generate requests with token-level recovery."""
 
     def __init__(self, selector: Selector, cfg: RecoveryConfig, events: Optional[EventLog] = None,
-                 client: Optional[httpx.AsyncClient] = None, transport: Optional[Transport] = None):
+                 client: Optional[httpx.AsyncClient] = None, transport: Optional[Transport] = None,
+                 tokenizer_path: Optional[str] = None):
         if transport is not None and cfg.mode != "chunked":
             raise ValueError("a custom transport needs recovery.mode=chunked (stream mode is HTTP SSE only)")
         self.selector = selector
@@ -118,13 +159,22 @@ class ResumableGenerator:
         self.client = client or httpx.AsyncClient(limits=httpx.Limits(max_connections=1000))
         # Called on every commit of every request (metrics, chaos triggers at a token position).
         self.observers: list[ProgressFn] = []
+        # Decodes ids to check stop strings across a cut (None: the selector's model, if it names one).
+        self.tokenizer_path = tokenizer_path or getattr(selector, "tokenizer_path", None)
+        self._tokenizer: Any = None
 
     async def generate(self, rid: str, input_ids: list[int], sampling_params: dict, return_logprob: bool = False,
                        on_progress: Optional[ProgressFn] = None) -> tuple[ContextLog, dict]:
         """Runs one request to completion; returns its context log and the final SGLang-style response."""
         sp = dict(sampling_params or {})
+        try:
+            check_request(sp)
+        except UnsupportedRequestError as e:
+            raise RequestFailedError(rid, str(e), None, status=400) from None
         max_new = sp.get("max_new_tokens", 128)
         log = ContextLog(rid, list(input_ids), int(max_new), want_logprobs=return_logprob)
+        if stop_strings(sp) and self.tokenizer_path and self._tokenizer is None:
+            self._tokenizer = await asyncio.to_thread(_load_tokenizer, self.tokenizer_path)
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
                 await self._run(log, sp, on_progress)
@@ -136,6 +186,8 @@ class ResumableGenerator:
     async def _run(self, log: ContextLog, sp: dict, on_progress: Optional[ProgressFn]) -> None:
         exclude: set[str] = set()
         failures = 0
+        refusals = resume_refusals(sp, can_check_stop=self._tokenizer is not None)
+        no_progress: list[Target] = []  # engines that failed before giving this request a token
         while True:
             if log.remaining == 0 and log.max_new_tokens > 0:
                 log.finish_reason = {"type": "length", "length": log.max_new_tokens}
@@ -148,6 +200,9 @@ class ResumableGenerator:
             # A resumed sampled segment gets a seed derived from the position, so reruns are reproducible.
             seg_seed = None if seed is None else int(seed) + log.committed
             seg = log.begin(target.engine, target.url, seg_seed)
+            bind = getattr(self.selector, "bind", None)
+            if bind is not None:
+                bind(target, log.rid)
             try:
                 fr = await self._segment(log, seg, sp, seg_seed, on_progress)
                 seg.outcome = "finished"
@@ -166,13 +221,33 @@ class ResumableGenerator:
                 await self.selector.failed(target, e.reason[:200])
                 self.events.emit("recovery", log.rid, "request_failed_on_engine", e.reason[:200], level="warning",
                                  engine=target.engine, committed=log.committed, attempt=failures)
+                if seg.end == seg.start and self.cfg.mode == "stream":
+                    # Stream mode commits every token, so "no token" means it died on this request's prefill
+                    # or first step. (Chunked mode commits per chunk: any mid-chunk kill would look alike, so
+                    # there max_attempts alone bounds a poison request.)
+                    no_progress.append(target)
+                if len(no_progress) >= self.cfg.poison_max_deaths:
+                    err = RequestPoisonedError(log.rid, [t.engine for t in no_progress], log)
+                    poisoned = getattr(self.selector, "poisoned", None)
+                    if poisoned is not None:
+                        poisoned(log.rid, list(no_progress), err.reason)
+                    self.events.emit("recovery", log.rid, "quarantined", err.reason, level="error",
+                                     engines=[t.engine for t in no_progress])
+                    raise err from e
                 if failures >= self.cfg.max_attempts:
                     raise RequestFailedError(log.rid, f"failed on {failures} engine(s); last: {e.reason[:200]}",
                                              log) from e
+                if refusals and log.committed > 0:
+                    self.events.emit("recovery", log.rid, "resume_refused", "; ".join(refusals), level="warning",
+                                     committed=log.committed, failed_engine=target.engine)
+                    log.restart()
                 self.events.emit("recovery", log.rid, "resumed", f"from token {log.committed}",
                                  committed=log.committed, failed_engine=target.engine)
             finally:
-                self.selector.release(target)
+                if bind is not None:
+                    self.selector.release(target, log.rid)
+                else:
+                    self.selector.release(target)
 
     def _body(self, log: ContextLog, sp: dict, seed: Optional[int], n: int, attempt: int) -> dict:
         params = dict(sp)
@@ -199,9 +274,13 @@ class ResumableGenerator:
             async for chunk in generate_stream(self.client, seg.url, body, timeout=self.cfg.stall_timeout_s,
                                                read_timeout=self.cfg.stall_timeout_s):
                 meta = chunk.get("meta_info", {})
+                before = log.committed
                 if log.commit(seg, chunk.get("output_ids", []), meta.get("output_token_logprobs"),
                               meta.get("weight_version")):
+                    hit = self._stop_across_cut(log, seg, sp, before)
                     await self._progress(on_progress, log, seg)
+                    if hit is not None:
+                        return hit
                 fr = meta.get("finish_reason")
                 if fr:
                     return _checked(fr, seg)
@@ -215,14 +294,35 @@ class ResumableGenerator:
             else:
                 out = await generate(self.client, seg.url, body, timeout=self.cfg.stall_timeout_s)
             meta = out.get("meta_info", {})
+            before = log.committed
             got = log.append(seg, out.get("output_ids", []), meta.get("output_token_logprobs"),
                              meta.get("weight_version"))
+            hit = self._stop_across_cut(log, seg, sp, before)
             await self._progress(on_progress, log, seg)
+            if hit is not None:
+                return hit
             fr = _checked(meta.get("finish_reason") or {}, seg)
             if fr.get("type") != "length" or log.remaining == 0:
                 return fr
             if got == 0:
                 raise GenerateError(seg.url, "engine returned no tokens for a chunk")
+
+    def _stop_across_cut(self, log: ContextLog, seg: Segment, sp: dict, before: int) -> Optional[dict]:
+        """In a resumed segment, the first new token at which the combined output text holds a stop string
+        (the engine sees only its segment's text); truncates the log there and returns the finish reason."""
+        stops = stop_strings(sp)
+        if seg.start == 0 or not stops or self._tokenizer is None:
+            return None
+        ids = log.output_ids
+        width = max(len(x) for x in stops) + 8  # tokens: each decodes to at least one byte
+        for i in range(before + 1, log.committed + 1):
+            lo = max(0, i - width)
+            text = self._tokenizer.decode(ids[lo:i])
+            hit = next((x for x in stops if x in text), None)
+            if hit is not None and hit not in self._tokenizer.decode(ids[lo:i - 1]):
+                log.truncate(i)
+                return {"type": "stop", "matched": hit}
+        return None
 
     async def _progress(self, fn: Optional[ProgressFn], log: ContextLog, seg: Segment) -> None:
         for obs in self.observers:
@@ -247,6 +347,12 @@ class ResumableGenerator:
         if text is not None:
             out["text"] = text
         return out
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _checked(fr: dict, seg: Segment) -> dict:
