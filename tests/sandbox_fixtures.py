@@ -2,14 +2,16 @@
 
 Import the fixtures a test module needs: `from tests.sandbox_fixtures import podman, docker, backend, ...`.
 Container tests skip (with the reason) only when the container tooling is not installed at all; run
-`bash .ci/setup_containers.sh` to install it.
+`bash .ci/setup_containers.sh` to install it. A CRIU that is installed but broken fails the tests that need
+it when CI=true (elsewhere they skip, saying it is broken).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 
@@ -21,11 +23,24 @@ def _need(tool: str) -> None:
         pytest.skip(f"{tool} not installed (run: bash .ci/setup_containers.sh)")
 
 
+def criu_verdict(problem: Optional[str], ci: bool) -> tuple[str, str]:
+    """("ok" | "skip" | "fail", why): skip only where CRIU is absent; a present but broken CRIU fails in CI."""
+    if not problem:
+        return "ok", ""
+    if problem.startswith("criu not found"):
+        return "skip", f"CRIU not installed: {problem}"
+    if ci:
+        return "fail", f"CRIU is installed but broken (CI=true): {problem}"
+    return "skip", f"CRIU is installed but BROKEN (would fail in CI): {problem}"
+
+
 @pytest.fixture(scope="session")
 def criu_ok() -> None:
-    problem = criu_problem("")
-    if problem:
-        pytest.skip(f"CRIU unusable: {problem}")
+    verdict, why = criu_verdict(criu_problem(""), os.environ.get("CI", "").lower() in ("1", "true", "yes"))
+    if verdict == "fail":
+        pytest.fail(why, pytrace=False)
+    if verdict == "skip":
+        pytest.skip(why)
 
 
 @pytest.fixture(scope="session")

@@ -266,3 +266,27 @@ def test_checkpoint_that_cannot_finish_in_time_publishes_nothing(backend, sandbo
         full_checkpoint(sandbox, 1, store, "t", mode="full", timeout_s=0.01)
     assert store.list("t") == []
     assert not any(p.name.startswith(".staging-") for p in (tmp_path / "t").iterdir())
+
+
+def test_a_present_but_broken_criu_fails_in_ci_and_only_an_absent_one_skips(tmp_path):
+    """criu_ok's verdict on a real (stand-in) broken CRIU binary: an old version, and a failing `criu check`."""
+    from belayer_plugin.sandbox.criu import criu_problem
+    from tests.sandbox_fixtures import criu_verdict
+
+    old = tmp_path / "old" / "criu"
+    old.parent.mkdir()
+    old.write_text("#!/bin/sh\necho 'Version: 3.17'\n")
+    old.chmod(0o755)
+    failing = tmp_path / "failing" / "criu"
+    failing.parent.mkdir()
+    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Version: 4.2'; exit 0; }\necho 'Error: no kernel support' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    for path in (old, failing):
+        problem = criu_problem(str(path))
+        assert problem
+        assert criu_verdict(problem, ci=True)[0] == "fail"
+        assert criu_verdict(problem, ci=False) == ("skip", criu_verdict(problem, ci=False)[1])
+        assert "BROKEN" in criu_verdict(problem, ci=False)[1]
+    absent = criu_problem(str(tmp_path / "nowhere" / "criu"))
+    assert criu_verdict(absent, ci=True)[0] == "skip" and "not installed" in criu_verdict(absent, ci=True)[1]
+    assert criu_verdict(None, ci=True) == ("ok", "")

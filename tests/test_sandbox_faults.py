@@ -28,13 +28,20 @@ DOCKER_SEEDS = range(1000, 1025)
 N_ACTIONS = 3
 
 
+# Phases in which a kill was DELIVERED (a running container was hit), per podman seed, from the trials
+# this session ran: the last test asserts the seeds are not vacuous from these, not from the plans.
+FIRED: dict[int, list[str]] = {}
+
+
 def _check(result) -> None:
     assert result.violations == [], f"seed {result.seed}: {result.violations}"
 
 
 @pytest.mark.parametrize("seed", PODMAN_SEEDS)
 def test_podman_trial_converges_to_golden_state_after_random_kills(podman, env_cache, criu_ok, tmp_path, seed):
-    _check(run_trial(podman, busybox_image_for(podman, env_cache), seed, tmp_path, n_actions=N_ACTIONS))
+    r = run_trial(podman, busybox_image_for(podman, env_cache), seed, tmp_path, n_actions=N_ACTIONS)
+    FIRED[seed] = r.fired_phases
+    _check(r)
 
 
 @pytest.mark.parametrize("seed", DOCKER_SEEDS)
@@ -42,18 +49,21 @@ def test_docker_trial_converges_to_golden_state_after_random_kills(docker, env_c
     _check(run_trial(docker, busybox_image_for(docker, env_cache), seed, tmp_path, n_actions=N_ACTIONS))
 
 
+@pytest.mark.timeout(1500)  # run alone it runs the 25 podman trials itself
 def test_trials_exercise_kills_in_every_phase_and_corruption(podman, env_cache, criu_ok, tmp_path):
-    """The seeds above are not vacuous: across them, kills fire in each phase and corruption is met."""
-    from belayer_plugin.sandbox.scripted import plan_faults
-    import random
-
-    phases = set()
-    for seed in PODMAN_SEEDS:
-        rng = random.Random(seed)
-        phases.update(f.phase for f in plan_faults(rng, N_ACTIONS, 0.7))
-    assert phases == {"exec", "checkpoint", "restore"}
+    """The seeds above are not vacuous: across them, kills were delivered in each phase (action, checkpoint,
+    restore), most trials were hit at all, and a corrupt checkpoint is met, detected and skipped."""
+    image = busybox_image_for(podman, env_cache)
+    for seed in PODMAN_SEEDS:  # seeds deselected in this session are run here
+        if seed not in FIRED:
+            FIRED[seed] = run_trial(podman, image, seed, tmp_path / str(seed), n_actions=N_ACTIONS).fired_phases
+    fired = [p for seed in PODMAN_SEEDS for p in FIRED[seed]]
+    assert {"exec", "checkpoint", "restore"} <= set(fired), f"delivered kills by phase: {sorted(fired)}"
+    hit = sum(1 for seed in PODMAN_SEEDS if FIRED[seed])
+    assert hit >= len(PODMAN_SEEDS) * 3 // 4, f"only {hit} of {len(PODMAN_SEEDS)} trials had a kill delivered"
     # corruption forced: the corrupt checkpoint is met by the next recovery, detected, and skipped
-    r = run_trial(podman, busybox_image_for(podman, env_cache), 7, tmp_path, n_actions=N_ACTIONS, corrupt_prob=1.0)
+    r = run_trial(podman, image, 7, tmp_path / "corrupt", n_actions=N_ACTIONS, corrupt_prob=1.0)
     _check(r)
     assert r.corrupted is not None
     assert any(e.get("kind") == "checkpoint_corrupt" and e.get("checkpoint") == r.corrupted for e in r.events)
+    assert not any(e.get("kind") == "restore" and e.get("checkpoint") == r.corrupted for e in r.events)

@@ -118,20 +118,29 @@ def test_without_any_checkpoint_recovery_rebuilds_from_the_base_image_at_boundar
 
 
 def test_async_policy_checkpoint_overlaps_generation_so_the_agent_barely_waits(recorder):
-    recorder.start(tokens(0), messages(0))
+    recorder.start(tokens(0), messages(0), checkpoint=False)
     pol = CheckpointPolicy(recorder.checkpoint, failure_prob=0.5, min_overhead_s=0.0, async_checkpoint=True,
                            cooldown_s=20.0, subject="traj")
     run(recorder, 1)
     pol.note_work(4.0, "generation", action_done=True)
+    t_call = time.time()
     fut = pol.maybe_checkpoint_async(recorder.latest)
+    t_returned = time.time()
     assert fut is not None
-    t0 = time.monotonic()
-    ck = fut.result(timeout=60)  # stands in for the next LLM generation, which takes longer than this
-    gen_s = time.monotonic() - t0 + 0.5
-    time.sleep(0.5)  # the rest of that generation: simulated LLM work, not synchronisation
+    # The next LLM generation runs now; a checkpoint taken synchronously would already be published.
+    ck = fut.result(timeout=60)
+    time.sleep(0.3)  # the rest of that generation: simulated LLM work, not synchronisation
+    t_gen_end = time.time()
     waited = pol.wait_ready(timeout=60)
-    assert ck is not None and ck.boundary == 1 and waited < 0.05 < gen_s
     pol.close()
+    pub = [e for e in recorder.events if e["kind"] == "checkpoint" and e.get("boundary") == 1]  # type: ignore[attr-defined]
+    assert ck is not None and ck.boundary == 1 and len(pub) == 1
+    ck_end, ck_s = pub[0]["t"], pub[0]["duration_s"]
+    assert ck_end > t_returned, "the checkpoint was published before the call returned: it did not overlap"
+    assert t_returned - t_call < ck_s, f"the call blocked {t_returned - t_call:.3f} s for a {ck_s:.3f} s checkpoint"
+    overlap = min(ck_end, t_gen_end) - max(ck_end - ck_s, t_returned)
+    assert overlap > 0.5 * ck_s, f"checkpoint ({ck_s:.3f} s) overlapped generation by only {overlap:.3f} s"
+    assert waited < 0.05  # it finished during the generation: the agent did not wait for it
 
 
 def test_checkpoint_requested_for_an_old_boundary_is_refused(recorder):
