@@ -88,7 +88,7 @@ def _new_recorder(traj_id: str, sandbox: Any, store: Any, sb_cfg: Any, on_event:
     return TrajectoryRecorder(traj_id, sandbox, store, checkpoint_mode=sb_cfg.checkpoint_mode,
                               checkpoint_timeout_s=sb_cfg.checkpoint_timeout_s,
                               restore_timeout_s=sb_cfg.restore_timeout_s, restore_retries=sb_cfg.restore_retries,
-                              on_event=on_event)
+                              on_event=on_event, skip_unchanged=sb_cfg.policy.skip_unchanged)
 
 
 async def run_trajectory(*, traj_id: str, traj_index: int, step: int, prompt_ids: list[int], tokenizer: Any,

@@ -11,7 +11,7 @@ from belayer_plugin.sandbox.config import SandboxConfig, SandboxPolicyConfig
 
 def good() -> SandboxConfig:
     pol = SandboxPolicyConfig(enabled=True, failure_prob=0.02, min_overhead_s=0.05, every_n_actions=0,
-                              async_checkpoint=True, cooldown_s=20.0, overhead_ema=0.3)
+                              async_checkpoint=True, cooldown_s=20.0, overhead_ema=0.3, skip_unchanged=True)
     return SandboxConfig(backend="podman", env="busybox", network="none", cpus=1.0, memory_mb=512, pids_limit=256,
                          exec_timeout_s=60.0, checkpoint_mode="auto", checkpoint_dir="", checkpoint_timeout_s=30.0,
                          restore_timeout_s=60.0, restore_retries=2, keep_checkpoints=2, replay_deterministic=False,

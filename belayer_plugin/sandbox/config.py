@@ -27,6 +27,7 @@ class SandboxPolicyConfig:
     async_checkpoint: bool = _req()  # overlap checkpoints with the next LLM generation
     cooldown_s: float = _req()  # after a checkpoint timed out or failed, no new attempt for this long
     overhead_ema: float = _req()  # weight of the newest measurement in the running estimates
+    skip_unchanged: bool = _req()  # a boundary with no file-system or process side effect reuses the last checkpoint
 
     def problems(self) -> list[str]:
         out = []

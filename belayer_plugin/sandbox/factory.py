@@ -62,7 +62,8 @@ def make_recorder(cfg: SandboxConfig, sandbox: Sandbox, trajectory_id: str, run_
     return TrajectoryRecorder(trajectory_id, sandbox, store, checkpoint_mode=cfg.checkpoint_mode,
                               checkpoint_timeout_s=cfg.checkpoint_timeout_s, restore_timeout_s=cfg.restore_timeout_s,
                               restore_retries=cfg.restore_retries, deterministic=det,
-                              replay=cfg.replay_deterministic and det, setup=setup, on_event=on_event)
+                              replay=cfg.replay_deterministic and det, setup=setup, on_event=on_event,
+                              skip_unchanged=cfg.policy.skip_unchanged)
 
 
 def make_policy(cfg: SandboxConfig, recorder: TrajectoryRecorder,

@@ -84,6 +84,7 @@ class PolicyStats:
     failed: int = 0
     timed_out: int = 0
     superseded: int = 0
+    unchanged: int = 0  # of `succeeded`: boundaries that reused the last checkpoint (no side effect since)
     checkpoint_s: float = 0.0  # total time checkpoints ran
     visible_wait_s: float = 0.0  # total time the agent waited for them
     durations: list[float] = field(default_factory=list)
@@ -209,7 +210,12 @@ class CheckpointPolicy:
             self.stats.superseded += 1
             return None
         with self._lock:
-            self.est_checkpoint_s = (1 - self.alpha) * self.est_checkpoint_s + self.alpha * dt
+            # A boundary with no side effect since the last checkpoint reuses it (TrajectoryRecorder's
+            # skip_unchanged): it protects the work all the same, but says nothing of what a checkpoint costs.
+            if getattr(ck, "boundary", boundary) == boundary:
+                self.est_checkpoint_s = (1 - self.alpha) * self.est_checkpoint_s + self.alpha * dt
+            else:
+                self.stats.unchanged += 1
             self.work_since_last_s = max(0.0, self.work_since_last_s - covered[0])
             self.actions_since_last = max(0, self.actions_since_last - covered[1])
         self.stats.succeeded += 1

@@ -76,7 +76,7 @@ class TrajectoryRecorder:
                  restore_timeout_s: float = 60.0, restore_retries: int = 2, deterministic: bool = False,
                  replay: bool = False, setup: Optional[Callable[[Sandbox], None]] = None,
                  replay_fn: Callable[[Sandbox, Any], Any] = default_replay,
-                 on_event: Optional[EventSink] = None):
+                 on_event: Optional[EventSink] = None, skip_unchanged: bool = False):
         if replay and not deterministic:
             raise ValueError("exact replay needs an environment declared deterministic")
         self.trajectory_id = trajectory_id
@@ -101,6 +101,11 @@ class TrajectoryRecorder:
         self._ck_lock = threading.Lock()  # one checkpoint at a time; recovery waits for it
         self.checkpoints: dict[str, Checkpoint] = {}
         self.recoveries = 0
+        # Side-effect-aware checkpoints: a boundary whose sandbox fingerprint equals the one taken right
+        # after checkpoint `_clean[0]` (or right after restoring it) is that checkpoint's state already.
+        self.skip_unchanged = skip_unchanged
+        self._clean: Optional[tuple[str, str]] = None
+        self.skipped_checkpoints = 0
 
     # -- events ---------------------------------------------------------------------------------------
     def _emit(self, kind: str, reason: str, **figures: Any) -> None:
@@ -170,8 +175,18 @@ class TrajectoryRecorder:
                         self._emit("checkpoint_superseded", "the trajectory moved on before the checkpoint began",
                                    boundary=b, latest=self.latest)
                         return None
+                same = self._unchanged_since_clean(sandbox)
+                if same is not None:
+                    with self._lock:
+                        self.boundaries[b].checkpoint_id = same.id
+                        self.skipped_checkpoints += 1
+                    self._emit("checkpoint_skipped", f"no side effect since checkpoint {same.id} (boundary "
+                               f"{same.boundary}): boundary {b} restores from it", boundary=b,
+                               checkpoint=same.id, checkpoint_boundary=same.boundary)
+                    return same
                 ck = full_checkpoint(sandbox, b, self.store, self.trajectory_id, self.checkpoint_mode,
                                      self.checkpoint_timeout_s, on_event=self.on_event)
+                self._note_clean(ck, sandbox)
             with self._lock:
                 if epoch != self.epoch or b > self.latest:
                     self.store.discard(ck)
@@ -185,6 +200,26 @@ class TrajectoryRecorder:
                         if r.checkpoint_id == old_id:
                             r.checkpoint_id = None
             return ck
+
+    def _note_clean(self, ck: Checkpoint, sandbox: Sandbox) -> None:
+        """Remembers the fingerprint of `sandbox`, which is in `ck`'s state right now (held lock)."""
+        if self.skip_unchanged:
+            from belayer_plugin.sandbox.side_effects import state_fingerprint
+
+            fp = state_fingerprint(sandbox, with_processes=ck.mode == "full")
+            self._clean = (ck.id, fp) if fp is not None else None
+
+    def _unchanged_since_clean(self, sandbox: Sandbox) -> Optional[Checkpoint]:
+        """The checkpoint whose state `sandbox` still is (nothing changed since), else None."""
+        if not self.skip_unchanged or self._clean is None:
+            return None
+        ck = self.checkpoints.get(self._clean[0])
+        if ck is None or not ck.path.exists():
+            return None
+        from belayer_plugin.sandbox.side_effects import state_fingerprint
+
+        fp = state_fingerprint(sandbox, with_processes=ck.mode == "full")
+        return ck if fp is not None and fp == self._clean[1] else None
 
     def ready_checkpoint(self, at_or_before: Optional[int] = None) -> Optional[Checkpoint]:
         """The newest published checkpoint of this trajectory at or before a boundary."""
@@ -220,12 +255,14 @@ class TrajectoryRecorder:
             except SandboxError as e:
                 log.warning("closing the failed sandbox: %s", e)
             sb, target, ck_id = None, 0, None
-            cands = []
+            cands: list[tuple[int, Checkpoint]] = []  # (boundary it restores, checkpoint), newest first
             with self._lock:
                 for r in reversed(self.boundaries[: failed + 1]):
-                    if r.checkpoint_id and r.checkpoint_id in self.checkpoints:
-                        cands.append(self.checkpoints[r.checkpoint_id])
-            for ck in cands:
+                    if r.checkpoint_id and r.checkpoint_id in self.checkpoints \
+                            and all(c.id != r.checkpoint_id for _, c in cands):
+                        cands.append((r.index, self.checkpoints[r.checkpoint_id]))
+            self._clean = None
+            for at, ck in cands:
                 for attempt in range(1, self.restore_retries + 1):
                     try:
                         sb = full_restore(ck, self.backend, self.store, sandbox_id=self.trajectory_id,
@@ -240,7 +277,9 @@ class TrajectoryRecorder:
                         self._emit("restore_retry", f"attempt {attempt} failed: {e}", checkpoint=ck.id,
                                    boundary=ck.boundary, attempt=attempt)
                 if sb is not None:
-                    target, ck_id = ck.boundary, ck.id
+                    # `at` > ck.boundary when the actions in between had no side effect (skipped checkpoints)
+                    target, ck_id = at, ck.id
+                    self._note_clean(ck, sb)
                     break
                 if ck.id in self.checkpoints:  # exhausted its retries: do not try it again
                     self._forget(ck)
@@ -309,8 +348,7 @@ class TrajectoryRecorder:
             b = self.latest if boundary is None else boundary
             if not 0 <= b <= self.latest:
                 raise ValueError(f"boundary {b} not committed (latest {self.latest})")
-            ck = self.ready_checkpoint(b)
-            ck = ck if ck is not None and ck.boundary == b else None
+            ck = self.checkpoints.get(self.boundaries[b].checkpoint_id or "")  # taken at b, or b's state
         if ck is None:
             if b != self.latest:
                 raise RuntimeError(f"no checkpoint at boundary {b} to fork from")
@@ -330,7 +368,8 @@ class TrajectoryRecorder:
                                     checkpoint_timeout_s=self.checkpoint_timeout_s,
                                     restore_timeout_s=self.restore_timeout_s, restore_retries=self.restore_retries,
                                     deterministic=self.deterministic, replay=self.replay, setup=self.setup,
-                                    replay_fn=self.replay_fn, on_event=self.on_event)
+                                    replay_fn=self.replay_fn, on_event=self.on_event,
+                                    skip_unchanged=self.skip_unchanged)
             br.base_spec = self.base_spec
             br.boundaries = [BoundaryRecord(r.index, list(r.token_ids), copy.deepcopy(r.messages), r.action,
                                             r.result, own.id if r.index == b else None, r.t) for r in prefix]
