@@ -12,7 +12,10 @@ env, a process holding --hold-mb of memory).
    (iii) with the adaptive policy overlapping checkpoints with the next generation. Visible overhead is the
    time the agent waited for checkpoints, as a share of the rollout.
 
-Last line: RESULT restore_s=.. rebuild_s=.. ratio=.. visible_overhead_pct=..
+3. Side effects: a checkpoint after every action of a rollout where 3 actions in 4 are read-only, with
+   side-effect detection (sandbox.policy.skip_unchanged) off and on: checkpoints taken and their time.
+
+Last line: RESULT restore_s=.. rebuild_s=.. ratio=.. visible_overhead_pct=.. [side_effect_checkpoints=.. ck_time_saved_pct=..]
   restore_s: mean recovery time through full_restore (restore + regenerating the actions after the checkpoint)
   rebuild_s: mean recovery time from the base image (fresh sandbox + set-up + regenerating all k actions)
   ratio: rebuild_s / restore_s (goal >= 3.5); visible_overhead_pct: adaptive policy's visible wait / rollout
@@ -105,6 +108,42 @@ def rollout(backend, spec, setup, n: int, gen_s: float, store_root: Path, mode: 
     return out
 
 
+READ_ONLY = ["cat /work/log", "ls -la /work", "wc -l /work/log", "grep -c a /work/log; true"]
+
+
+def side_effects(backend, spec, setup, n: int, store_root: Path, mode: str) -> dict:
+    """n actions, 3 in 4 of them read-only (Crab: most turns change nothing worth saving), a checkpoint
+    after every action, with skip_unchanged off and on; then a restore at the end is checked."""
+    out = {}
+    for skip in (False, True):
+        sb = Sandbox.create(backend, spec, "side-effects")
+        setup(sb)
+        rec = TrajectoryRecorder(f"se-{skip}", sb, CheckpointStore(store_root / str(skip), keep=2),
+                                 checkpoint_mode=mode, checkpoint_timeout_s=120, skip_unchanged=skip)
+        rec.start(tokens(0), messages(0), checkpoint=False)
+        writes, ck_s = 0, 0.0
+        for i in range(1, n + 1):
+            if i % 4 == 1:
+                writes += 1
+                cmd = action(writes)["command"]
+            else:
+                cmd = READ_ONLY[i % len(READ_ONLY)]
+            rec.execute(cmd, tokens(i), messages(i), run=lambda sb_, a: sb_.exec(a, timeout=30))
+            t = time.monotonic()
+            rec.checkpoint()
+            ck_s += time.monotonic() - t
+        rec.sandbox.kill()
+        rb = rec.recover("bench: check the last boundary restores")
+        assert rb.boundary == n and query_state(rb.sandbox) == golden_state(writes)
+        out[skip] = {"ck_s": ck_s, "taken": n - rec.skipped_checkpoints}
+        rec.close()
+    saved = 100 * (1 - out[True]["ck_s"] / out[False]["ck_s"])
+    print(f"\n[side effects] {n} actions, {n - (n + 3) // 4} read-only; a checkpoint after every action: "
+          f"{out[False]['taken']} taken in {out[False]['ck_s']:.2f}s without detection, {out[True]['taken']} in "
+          f"{out[True]['ck_s']:.2f}s with it ({saved:.0f}% of checkpoint time saved); both restore boundary {n}")
+    return {"taken": out[True]["taken"], "boundaries": n, "saved_pct": saved}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="busybox env, fewer actions, shorter generations")
@@ -116,7 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--failure-prob", type=float, default=0.02, help="per action (the recipe's default)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--mode", choices=["full", "fs_only", "auto"], default="full")
-    ap.add_argument("--parts", default="recovery,overhead", help="comma list: recovery, overhead")
+    ap.add_argument("--parts", default="recovery,overhead,side_effects",
+                    help="comma list: recovery, overhead, side_effects")
     args = ap.parse_args(argv)
     env = args.env or ("busybox" if args.quick else "python")
     n = args.actions or (8 if args.quick else 16)
@@ -211,12 +251,18 @@ def main(argv=None) -> int:
         print(f"  sync_every slows the rollout by {100 * (sync['total_s'] - base) / base:.1f}%; adaptive by "
               f"{100 * (ad['total_s'] - base) / base:.1f}%; adaptive hides {hidden_pct:.0f}% of its checkpoint time")
 
+        # -- 3. side-effect-aware checkpoints: a checkpoint after every action, read-only turns skipped ---
+        se = side_effects(backend, spec, setup, n, work / "side-effects", args.mode) if "side_effects" in parts else None
+
         r_s, b_s = statistics.mean(restore_tot), statistics.mean(rebuild_tot)
         vis_pct = 100 * ad["visible_s"] / ad["total_s"]
         print(f"\ncheckpoint mean {statistics.mean(ck_durations):.2f}s, restore alone mean "
               f"{statistics.mean(restore_only):.2f}s; recovery ratio rebuild/full_restore = {b_s / r_s:.1f}x "
               f"(goal >= 3.5x); visible overhead {vis_pct:.2f}% (goal <= 1%)")
-        print(f"RESULT restore_s={r_s:.3f} rebuild_s={b_s:.3f} ratio={b_s / r_s:.2f} visible_overhead_pct={vis_pct:.3f}")
+        extra = (f" side_effect_checkpoints={se['taken']}/{se['boundaries']} ck_time_saved_pct={se['saved_pct']:.1f}"
+                 if se else "")
+        print(f"RESULT restore_s={r_s:.3f} rebuild_s={b_s:.3f} ratio={b_s / r_s:.2f} visible_overhead_pct={vis_pct:.3f}"
+              + extra)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if daemon is not None:
