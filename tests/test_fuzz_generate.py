@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import belayer_cfg
 
-FUZZ_EXAMPLES = {"engine": 150, "front": 100, "bytes": 40}
+FUZZ_EXAMPLES = {"engine": 100, "front": 60, "bytes": 30}
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
                  derandomize=True)
 
