@@ -150,6 +150,9 @@ class Engine:
         self.tokenizer: Any = None
         self.released = False
         self.paused = False
+        # Tensors a trainer streamed in (/update_weights_from_tensor), applied over weights_path whenever the
+        # model is (re)loaded: they survive a memory release like SGLang's cpu_weight_backup.
+        self.streamed: dict[str, Any] = {}
         self.pending: list[Request] = []
         self.running: list[Request] = []
         self.by_rid: dict[str, Request] = {}
@@ -174,6 +177,9 @@ class Engine:
             model = shared_weights.load_model(path)  # mapped from the holder's shared memory, not copied
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if self.streamed:
+            # assign: new tensors replace the parameters (shared-memory weights of other engines stay untouched)
+            model.load_state_dict(self.streamed, strict=False, assign=True)
         model.eval()
         self.model = model
 
@@ -313,11 +319,31 @@ class Engine:
 
     async def update_weights(self, path: str, version: Optional[str]) -> None:
         async with self._lock:
+            self.streamed = {}
             await asyncio.get_running_loop().run_in_executor(self._pool, self._load_sync, path)
             self.weights_path = path
             if version is not None:
                 self.weight_version = version
             # Running requests keep their ids but their KV caches came from the old weights.
+            for r in self.running:
+                r.cache = None
+            self.counters["weight_updates"] += 1
+
+    async def update_weights_from_tensors(self, named: dict[str, Any], version: Optional[str]) -> None:
+        """Replaces the named parameters (shapes checked first: a bad bucket changes nothing)."""
+        async with self._lock:
+            own = self.model.state_dict()
+            bad = [n for n, t in named.items() if n not in own or tuple(own[n].shape) != tuple(t.shape)]
+            if bad:
+                raise ValueError(f"unknown parameter or wrong shape: {bad[:5]}")
+
+            def apply() -> None:
+                self.model.load_state_dict(named, strict=False, assign=True)
+
+            await asyncio.get_running_loop().run_in_executor(self._pool, apply)
+            self.streamed.update(named)
+            if version is not None:
+                self.weight_version = version
             for r in self.running:
                 r.cache = None
             self.counters["weight_updates"] += 1
@@ -400,6 +426,44 @@ async def _json_body(request: web.Request) -> Any:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest("body is not valid JSON")
+
+
+def encode_cpu_bucket(flattened_tensor: Any, metadata: list[dict]) -> str:
+    """One `serialized_named_tensors` entry for a CPU engine: a flattened bucket (uint8 tensor plus name, shape,
+    dtype and byte range per tensor) as base64 of torch.save; replaces SGLang's CUDA IPC handles on CPU."""
+    import base64
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"flattened_tensor": flattened_tensor.contiguous().cpu(), "metadata": metadata}, buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def decode_cpu_bucket(entry: Any) -> dict[str, Any]:
+    """{name: tensor} from encode_cpu_bucket's string; BadRequest when malformed (loaded with weights_only)."""
+    import base64
+    import binascii
+    import io
+    import pickle
+
+    import torch
+
+    if not isinstance(entry, str):
+        raise BadRequest("serialized_named_tensors entries must be strings")
+    try:
+        obj = torch.load(io.BytesIO(base64.b64decode(entry, validate=True)), weights_only=True)
+        flat, out = obj["flattened_tensor"], {}
+        for m in obj["metadata"]:
+            dtype = getattr(torch, m["dtype"])
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"dtype {m['dtype']!r}")
+            out[m["name"]] = flat[m["start_idx"]:m["end_idx"]].view(dtype).reshape(m["shape"]).clone()
+        return out
+    except (binascii.Error, pickle.UnpicklingError, KeyError, TypeError, ValueError, RuntimeError, AttributeError,
+            EOFError) as e:
+        raise BadRequest(f"serialized_named_tensors: not a CPU weight bucket ({type(e).__name__}: {e})"[:300])
 
 
 def build_app(eng: Engine, server_args: dict) -> web.Application:
@@ -504,6 +568,33 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
             return web.json_response({"success": False, "message": f"failed to load weights: {e}"}, status=400)
         return web.json_response({"success": True, "message": "weights updated", "num_paused_requests": 0,
                                   "weight_version": eng.weight_version})
+
+    @routes.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: web.Request) -> web.Response:
+        # SGLang's route and fields (NeMo-RL's refit posts here with weight_version). On a GPU the entries are
+        # CUDA IPC handles; this CPU engine takes the CPU payload of decode_cpu_bucket instead.
+        try:
+            body = await _json_body(request)
+            if not isinstance(body, dict) or not isinstance(body.get("serialized_named_tensors"), list) \
+                    or not body["serialized_named_tensors"]:
+                raise BadRequest("serialized_named_tensors (non-empty list) is required")
+            if body.get("load_format") != "flattened_bucket":
+                raise BadRequest(f"load_format: only flattened_bucket is supported, got {body.get('load_format')!r}")
+            version = body.get("weight_version")
+            if version is not None and not isinstance(version, str):
+                raise BadRequest("weight_version must be a string")
+            named: dict[str, Any] = {}
+            for entry in body["serialized_named_tensors"]:
+                named.update(decode_cpu_bucket(entry))
+        except BadRequest as e:
+            return _bad(str(e))
+        if eng.released:
+            return _bad("engine memory is released; resume it before updating weights", 409)
+        try:
+            await eng.update_weights_from_tensors(named, version)
+        except (ValueError, RuntimeError) as e:
+            return web.json_response({"success": False, "message": f"failed to load weights: {e}"}, status=400)
+        return web.json_response({"success": True, "message": "weights updated", "weight_version": eng.weight_version})
 
     @routes.post("/update_weight_version")
     async def update_weight_version(request: web.Request) -> web.Response:
