@@ -4,17 +4,19 @@
 #   bash .ci/setup.sh --sglang    also the real SGLang venv (.venv-sglang) and its stand-ins
 #   bash .ci/setup.sh --containers  also Podman, Docker, runc and CRIU >= 4.2
 #   bash .ci/setup.sh --verl      also verl 0.9.1 (into .venv) for the verl hook
+#   bash .ci/setup.sh --nemo-rl   also what NeMo-RL's modules need to import (source: ../shared/upstream/nemo-rl)
 #   bash .ci/setup.sh --all       everything the test suite needs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-want_sglang=0; want_containers=0; want_verl=0
+want_sglang=0; want_containers=0; want_verl=0; want_nemo_rl=0
 for a in "$@"; do
   case "$a" in
     --sglang) want_sglang=1 ;;
     --containers) want_containers=1 ;;
     --verl) want_verl=1 ;;
-    --all) want_sglang=1; want_containers=1; want_verl=1 ;;
+    --nemo-rl) want_nemo_rl=1 ;;
+    --all) want_sglang=1; want_containers=1; want_verl=1; want_nemo_rl=1 ;;
     *) echo "setup.sh: unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -41,4 +43,5 @@ fi
 if [ $want_sglang = 1 ]; then bash .ci/setup_sglang.sh; fi
 if [ $want_containers = 1 ]; then bash .ci/setup_containers.sh; fi
 if [ $want_verl = 1 ]; then bash .ci/setup_verl.sh; fi
+if [ $want_nemo_rl = 1 ]; then bash .ci/setup_nemo_rl.sh; fi
 log "done"

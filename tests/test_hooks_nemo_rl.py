@@ -1,15 +1,14 @@
-"""The NeMo-RL hook against a stand-in with SGLangGeneration's interface (NeMo-RL is not installable from PyPI),
-a real Belayer fleet underneath (CPU engines, the real sglang-router), and real kills.
+"""The NeMo-RL hook against NeMo-RL's real classes (source: ../shared/upstream/nemo-rl, see its SNAPSHOT.md),
+a real Belayer fleet underneath (CPU engines speaking SGLang's native API, the real sglang-router) and real kills.
 
-Verified here: the toggle and knobs are read from `policy.generation.sglang_cfg` and validated all at once;
-toggle off is the wrapped class unchanged; finish_generation pauses with Ray liveness still on (an engine
-killed while paused is detected, deregistered from the router, fenced and restarted before the next rollout);
-prepare_for_generation resumes; get_rollout_engine_urls recovers first and is a no-op when nothing died;
-NeMo-RL's own request shape (its generate_one_sample posts input_ids to router_ip:router_port) gets the same
-ids after recovery; the environment registers through a registry with register_env's contract, and its step()
-survives a real container kill consistently; recipes/nemo_rl/belayer.yaml validates.
-Not verified: NeMo-RL's real classes, its refit (stream_weights_via_http), its rollout loop, create_env's
-runtime_env/py_executable handling.
+Real NeMo-RL code run here: SGLangGeneration (subclassed; its generate(), generate_one_sample(), _build_sampling_params,
+HttpClient and AsyncLoopThread), RayVirtualCluster and its placement group, grpo.refit_policy_generation (the whole
+tagged sequence), FlattenedTensorBucket, register_env / ENV_REGISTRY / ACTOR_ENVIRONMENT_REGISTRY / create_env,
+NeMo-RL's config loader on examples/configs/grpo_math_1B_sglang.yaml.
+Replaced on CPU (GPU only): NVTX range markers around generate() (no-ops; upstream.cpu_nvtx_markers); the policy's `stream_weights_via_http` (CUDA IPC handles) by
+hooks/nemo_rl/cpu_policy.CpuStreamingPolicy posting the tensors themselves to the same endpoint
+(/update_weights_from_tensor) with the same fields, weight_version included.
+Not verified: real SGLang under NeMo-RL, CUDA IPC into a Belayer-launched engine, the GPU effect of placement.
 """
 
 from __future__ import annotations
@@ -18,210 +17,393 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from belayer_plugin.config import ConfigError
-from belayer_plugin.hooks.nemo_rl import belayer_config_from_sglang_cfg, fault_tolerant
 from tests.conftest import belayer_cfg  # noqa: F401  (keeps the cache dir env set)
 
+REPO = Path(__file__).resolve().parents[1]
+NEMO_RL = REPO.parent / "shared" / "upstream" / "nemo-rl"
 PROMPTS = [[54, 280, 487, 423, 442], [60, 61, 62], [100, 200, 300, 400]]
-SP = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 KNOBS = {"shadow": {"num_standby": 0, "shared_weights": False},
-         "engines": {"kind": "cpu", "num_engines": 2},
-         "monitor": {"probe_interval_s": 0.2, "probe_timeout_s": 0.5, "failure_threshold": 2, "boot_grace_s": 0,
-                     "liveness_timeout_s": 1},
-         "restart": {"backoff_initial_s": 0, "backoff_max_s": 0}}
+         "engines": {"kind": "cpu", "flush_cache_timeout_s": 30},
+         # readiness probes generous enough for a loaded 2-core machine; kills here are found by Ray liveness
+         "monitor": {"probe_interval_s": 0.5, "probe_timeout_s": 5, "failure_threshold": 3, "boot_grace_s": 0,
+                     "liveness_timeout_s": 2},
+         "restart": {"backoff_initial_s": 0, "backoff_max_s": 0, "max_restarts": 1, "window_s": 600,
+                     "min_healthy_engines": 1}}
 
 
-class StandInSGLangGeneration:
-    """NeMo-RL's SGLangGeneration interface (sglang_generation.py), engines elided: what the hook overrides
-    records calls; generate_one_sample is NeMo-RL's request shape against router_ip:router_port."""
+@pytest.fixture(scope="session")
+def nrl():
+    """NeMo-RL's modules, imported once per session (grpo alone takes ~8 s)."""
+    if not (NEMO_RL / "nemo_rl").is_dir():
+        pytest.skip(f"NeMo-RL source not found at {NEMO_RL} (see .ci/setup_nemo_rl.sh)")
+    os.environ.setdefault("BELAYER_NEMO_RL", str(NEMO_RL))
+    from belayer_plugin.hooks.nemo_rl.upstream import cpu_nvtx_markers, import_grpo
 
-    def __init__(self, cluster, sglang_cfg):
-        self.cluster, self.sglang_cfg, self.calls = cluster, sglang_cfg, ["init"]
-        self.router_ip, self.router_port = "127.0.0.1", 1
+    grpo = import_grpo()
+    cpu_nvtx_markers()  # NeMo-RL's generate() pushes NVTX ranges: a CPU build of torch refuses them
+    import nemo_rl.models.generation.sglang.sglang_generation as sg
 
-    def prepare_for_generation(self, *args, **kwargs):
-        self.calls.append("prepare")
-        return True
-
-    def finish_generation(self, *args, **kwargs):
-        self.calls.append("finish")
-        return True
-
-    def get_rollout_engine_urls(self):
-        self.calls.append("urls")
-        return []
-
-    def invalidate_kv_cache(self):
-        return True
-
-    def shutdown(self):
-        self.calls.append("shutdown")
-        return True
-
-    async def generate_one_sample(self, sampling_params, input_ids, index):
-        url = f"http://{self.router_ip}:{self.router_port}/generate"
-        async with httpx.AsyncClient() as c:
-            r = await c.post(url, json={"sampling_params": sampling_params, "return_logprob": True,
-                                        "input_ids": input_ids}, timeout=60)
-            r.raise_for_status()
-            out = r.json()
-        toks = [t[1] for t in out["meta_info"]["output_token_logprobs"]]
-        return index, toks, [t[0] for t in out["meta_info"]["output_token_logprobs"]], \
-            out["meta_info"]["finish_reason"]["type"] == "length"
+    return grpo, sg
 
 
-def _sglang_cfg(model: str, ft, knobs=None) -> dict:
-    return {"backend": "sglang", "sglang_cfg": {"model_path": model, "use_fault_tolerance": ft, "tp_size": 1,
-                                                "belayer": knobs if knobs is not None else KNOBS,
-                                                "sglang_server_config": {"needs_offload": True}}}
+def _gen_cfg(model: str, ft, knobs=None, num_gpus: int = 2, **server) -> dict:
+    """`policy.generation` as NeMo-RL builds it for SGLang (configure_generation_config sets _pad_token_id)."""
+    return {"backend": "sglang", "max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "top_k": None,
+            "stop_token_ids": None, "stop_strings": None, "_pad_token_id": 0, "colocated": {"enabled": True},
+            "sglang_cfg": {"model_path": model, "context_length": 512, "use_fault_tolerance": ft,
+                           "belayer": knobs if knobs is not None else KNOBS,
+                           "sglang_server_config": {"needs_offload": True, "num_gpus": num_gpus,
+                                                    "num_gpus_per_engine": 1, "sglang_server_concurrency": 8,
+                                                    **server}}}
 
 
-def _generate_all(gen) -> list[list[int]]:
-    async def go():
-        outs = await asyncio.gather(*(gen.generate_one_sample(SP, p, i) for i, p in enumerate(PROMPTS)))
-        return [o[1] for o in sorted(outs)]
+def _batch(prompts=PROMPTS):
+    import torch
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
-    return asyncio.run(asyncio.wait_for(go(), 120))
+    n = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), n), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    return BatchedDataDict({"input_ids": ids, "input_lengths": torch.tensor([len(p) for p in prompts])})
 
 
-def test_toggle_and_knobs_validated_all_at_once(tiny_model):
-    bad = {"monitor": {"probe_interval_s": "soon"}, "restart": {"max_restarts": -1}, "nonsense": 1}
+def _generated(gen) -> list[list[int]]:
+    """NeMo-RL's own generate() (greedy) through the fleet's router: the generated ids per prompt."""
+    out = gen.generate(_batch(), greedy=True)
+    return [out["output_ids"][i, len(p):len(p) + int(out["generation_lengths"][i])].tolist()
+            for i, p in enumerate(PROMPTS)]
+
+
+def _wait(gen, pred, timeout=60, since=0.0):
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(gen.belayer_events.wait_for(pred, timeout=timeout, since=since))
+    finally:
+        loop.close()
+
+
+def _router_urls(gen) -> set[str]:
+    r = httpx.get(f"http://{gen.router_ip}:{gen.router_port}/workers", timeout=5).json()
+    return {w["url"] for w in r["workers"]}
+
+
+# ----------------------------------------------------------------- configuration
+def test_knobs_and_nemo_rl_topology_validated_all_at_once_with_recipe_paths(nrl, tiny_model):
+    from belayer_plugin.hooks.nemo_rl import belayer_config_from_sglang_cfg
+
+    bad = {"monitor": {"probe_interval_s": "soon"}, "restart": {"max_restarts": -1}, "nonsense": 1,
+           "engines": {"num_engines": 3}}
+    cfg = _gen_cfg(tiny_model, True, bad, needs_offload="yes")
+    cfg["sglang_cfg"]["sglang_router_config"] = {"use_external_router": True}
     with pytest.raises(ConfigError) as e:
-        belayer_config_from_sglang_cfg(_sglang_cfg(tiny_model, "yes", bad))
+        belayer_config_from_sglang_cfg(cfg)
     msg = str(e.value)
-    assert "use_fault_tolerance" in msg and "probe_interval_s" in msg and "max_restarts" in msg and "nonsense" in msg
-    with pytest.raises(ConfigError, match="sglang_router"):
-        belayer_config_from_sglang_cfg(_sglang_cfg(tiny_model, True, {**KNOBS, "router": {"mode": "direct"}}))
-    cfg = belayer_config_from_sglang_cfg(_sglang_cfg(tiny_model, True))
-    assert cfg.use_fault_tolerance and cfg.engines.model_path == tiny_model
+    for path in ("policy.generation.sglang_cfg.sglang_server_config.needs_offload",
+                 "policy.generation.sglang_cfg.sglang_router_config.use_external_router"):
+        assert path in msg
+    cfg["sglang_cfg"]["sglang_server_config"]["needs_offload"] = True
+    cfg["sglang_cfg"]["sglang_router_config"] = {}
+    with pytest.raises(ConfigError) as e:
+        belayer_config_from_sglang_cfg(cfg)
+    msg = str(e.value)
+    for path in ("policy.generation.sglang_cfg.belayer.engines.num_engines", "belayer.monitor.probe_interval_s",
+                 "belayer.restart.max_restarts", "belayer.nonsense"):
+        assert f"policy.generation.sglang_cfg.{path.removeprefix('policy.generation.sglang_cfg.')}" in msg, path
+    with pytest.raises(ConfigError, match="use_fault_tolerance"):
+        belayer_config_from_sglang_cfg(_gen_cfg(tiny_model, "yes"))
+    with pytest.raises(ConfigError, match=r"belayer\.router\.mode"):
+        belayer_config_from_sglang_cfg(_gen_cfg(tiny_model, True, {**KNOBS, "router": {"mode": "direct"}}))
+    ok = belayer_config_from_sglang_cfg(_gen_cfg(tiny_model, True, num_gpus=4))
+    assert ok.use_fault_tolerance and ok.engines.model_path == tiny_model and ok.engines.num_engines == 4
     assert not belayer_config_from_sglang_cfg({"sglang_cfg": {"model_path": tiny_model}}).use_fault_tolerance
 
 
-def test_shipped_recipe_validates():
-    import yaml
+def test_shipped_recipe_composes_with_nemo_rls_grpo_sglang_recipe(nrl):
+    """recipes/nemo_rl/belayer.yaml over NeMo-RL's own examples/configs/grpo_math_1B_sglang.yaml, loaded with
+    NeMo-RL's config loader, validates (every interpolation resolved)."""
+    from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
+    from omegaconf import OmegaConf
 
     from belayer_plugin.config import recipes_dir
     from belayer_plugin.hooks._config import belayer_section
+    from belayer_plugin.hooks.nemo_rl import belayer_config_from_sglang_cfg
 
-    r = yaml.safe_load((recipes_dir() / "nemo_rl" / "belayer.yaml").read_text())
-    cfg = belayer_config_from_sglang_cfg(r["policy"]["generation"])
+    register_omegaconf_resolvers()  # as examples/run_grpo.py does
+    base = load_config(NEMO_RL / "examples" / "configs" / "grpo_math_1B_sglang.yaml")
+    composed = OmegaConf.merge(base, OmegaConf.load(recipes_dir() / "nemo_rl" / "belayer.yaml"))
+    d = OmegaConf.to_container(composed, resolve=True)
+    gen = d["policy"]["generation"]
+    cfg = belayer_config_from_sglang_cfg(gen, d["cluster"]["gpus_per_node"])
     assert cfg.use_fault_tolerance and cfg.engines.kind == "sglang" and cfg.router.mode == "sglang_router"
-    assert belayer_section(r["env"]["belayer_sandbox"]["belayer"]).sandbox.backend == "podman"
+    assert cfg.engines.num_engines == 2 and cfg.engines.model_path == d["policy"]["model_name"]
+    assert gen["sglang_cfg"]["sglang_server_config"]["needs_offload"] is True  # NeMo-RL's recipe is untouched
+    assert belayer_section(d["env"]["belayer_sandbox"]["belayer"]).sandbox.backend == "podman"
 
 
-def test_toggle_off_is_the_wrapped_class_unchanged(tiny_model):
-    gen = fault_tolerant(StandInSGLangGeneration)(None, _sglang_cfg(tiny_model, False))
-    assert gen.belayer_fleet is None and gen.calls == ["init"]
-    gen.finish_generation()
-    gen.prepare_for_generation()
-    assert gen.get_rollout_engine_urls() == [] and gen.recover_before_refit() == 0
-    gen.shutdown()
-    assert gen.calls == ["init", "finish", "prepare", "urls", "shutdown"]
+# ----------------------------------------------------------------- construction sites and toggle
+def test_patch_rebinds_every_construction_site_once(nrl):
+    import nemo_rl.algorithms.ppo as ppo
+    import nemo_rl.algorithms.single_controller_utils.setup as sc_setup
 
+    grpo, sg = nrl
+    from belayer_plugin.hooks.nemo_rl import patch_nemo_rl
 
-def test_pause_kill_while_training_recover_before_refit_and_router_membership(ray_cluster, tiny_model, tmp_path):
-    knobs = {**KNOBS, "run_dir": str(tmp_path), "engines": {**KNOBS["engines"], "cpu_step_delay_ms": 1}}
-    gen = fault_tolerant(StandInSGLangGeneration)(None, _sglang_cfg(tiny_model, True, knobs))
+    original = sg.SGLangGeneration
+    sites = (sg, grpo, ppo, sc_setup)
     try:
-        fm, events = gen.belayer_fleet, gen.belayer_events
-        assert "init" not in getattr(gen, "calls", []), "with the toggle on the fleet owns the engines"
-        router = f"http://{gen.router_ip}:{gen.router_port}"
-        golden = _generate_all(gen)
-
-        # nothing died: recovery before refit is a no-op (returns at once, touches nothing)
-        n_events = len(events.events)
-        t0 = time.monotonic()
-        urls = gen.get_rollout_engine_urls()
-        assert gen.recover_before_refit() == 0 and time.monotonic() - t0 < 1.0
-        assert sorted(urls) == sorted(s.info.url for s in fm.serving_slots()) and len(urls) == 2
-        assert [e for e in events.events[n_events:] if e.component in ("fleet", "restart")] == []
-
-        gen.finish_generation()  # training phase: readiness probes stop, Ray liveness stays on
-        assert fm.phase.value == "released"
-        victim = fm.slots["engine-0"]
-        dead_url = victim.info.url
-        since = events.events[-1].t
-        os.kill(victim.info.actor_pid, signal.SIGKILL)  # the engine's actor (and so its server) dies mid-training
-
-        def seen(kind, **kw):
-            return lambda e: e.kind == kind and e.subject == "engine-0" and all(e.figures.get(k) == v
-                                                                                for k, v in kw.items())
-        loop = asyncio.new_event_loop()
-        try:
-            det = loop.run_until_complete(events.wait_for(seen("detected"), timeout=30, since=since))
-            loop.run_until_complete(events.wait_for(seen("deregistered"), timeout=30, since=since))
-        finally:
-            loop.close()
-        assert det.figures["phase"] == "released"
-        workers = httpx.get(f"{router}/workers", timeout=5).json()
-        assert dead_url not in str(workers), "the dead engine is still in the router's table"
-
-        urls = gen.get_rollout_engine_urls()  # before refit: waits for the recovery under way
-        assert dead_url not in urls and len(urls) == 2
-        assert all(s.health.state.value == "HEALTHY" for s in fm.slots.values())
-        assert set(urls) <= {w["url"] for w in httpx.get(f"{router}/workers", timeout=5).json()["workers"]}
-        assert gen.verify_weight_versions() == {s: "default" for s in fm.slots}
-
-        gen.prepare_for_generation()
-        assert fm.phase.value == "serving"
-        assert _generate_all(gen) == golden
-        assert gen.invalidate_kv_cache() is True
+        cls = patch_nemo_rl()
+        assert all(m.SGLangGeneration is cls for m in sites), "a construction site still builds NeMo-RL's class"
+        assert patch_nemo_rl() is cls and cls.__mro__[2] is original  # idempotent, wraps the real class
+        assert issubclass(cls, original)  # refit_policy_generation's isinstance(.., SGLangGeneration) holds
     finally:
-        gen.shutdown()
+        for m in sites:
+            m.SGLangGeneration = original
 
 
-def test_sandbox_environment_registers_through_the_registry_contract():
-    from belayer_plugin.hooks.nemo_rl import register_environments
-    from belayer_plugin.hooks.nemo_rl.env import ACTOR_FQN
+def test_toggle_off_is_nemo_rls_class_unchanged(nrl, tiny_model, ray_cluster):
+    _, sg = nrl
+    from belayer_plugin.hooks.nemo_rl import fault_tolerant
 
-    registry: dict = {}
+    cls = fault_tolerant(sg.SGLangGeneration)
+    for name in ("generate", "generate_async", "generate_one_sample", "_build_sampling_params", "check_weights"):
+        assert getattr(cls, name) is getattr(sg.SGLangGeneration, name), name  # never overridden
 
-    def register_env(name, fqn):  # NeMo-RL's contract: ValueError when the name exists
-        if name in registry:
-            raise ValueError(f"Env name {name} already registered")
-        registry[name] = {"actor_class_fqn": fqn}
+    class NoPlacement:  # NeMo-RL's __init__ asks the cluster for its placement groups first: stop it there
+        num_gpus_per_node = 2
 
-    actors: dict = {}
-    assert register_environments(register_env, actors, "python") == "belayer_sandbox"
-    assert register_environments(register_env, actors, "python") == "belayer_sandbox"  # idempotent
-    assert registry == {"belayer_sandbox": {"actor_class_fqn": ACTOR_FQN}} and actors == {ACTOR_FQN: "python"}
-    from hydra.utils import get_object
+        def _init_placement_groups(self, **kw):
+            raise RuntimeError(f"NeMo-RL's own __init__ ran: {sorted(kw)}")
 
-    cls = get_object(ACTOR_FQN)  # what NeMo-RL's create_env does with the FQN
-    assert hasattr(cls, "options") and hasattr(cls, "remote")
+    with pytest.raises(RuntimeError, match="NeMo-RL's own __init__ ran"):
+        cls(cluster=NoPlacement(), sglang_cfg=_gen_cfg(tiny_model, False))
+    off = object.__new__(cls)  # the rest of the interface goes to NeMo-RL's methods with the toggle off
+    off.needs_offload, off.all_engines, off.num_gpus_per_node, off.num_gpus_per_engine = False, [], 1, 1
+    off._router_actor = off._http_client = off._async_loop = None
+    assert off.prepare_for_generation(tags=["weights"]) is None and off.finish_generation() is None
+    assert off.get_rollout_engine_urls() == [] and off.invalidate_kv_cache() is True and off.recover_before_refit() == 0
 
 
-def test_chaos_engine_kill_paused_scenario_through_the_hook(ray_cluster, tiny_model, tmp_path):
+# ----------------------------------------------------------------- the fleet under the real class
+@pytest.fixture(scope="module")
+def nrl_cluster(nrl, ray_cluster):
+    from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+
+    c = RayVirtualCluster([2], use_gpus=False, num_gpus_per_node=2, max_colocated_worker_groups=1,
+                          name="belayer-test")
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def setup(nrl, nrl_cluster, tiny_model, tmp_path_factory):
+    """What GRPO's setup does with the SGLang backend (grpo.py init_sglang and after): construct with keyword
+    arguments, finish_generation(), then policy.set_rollout_num_gpus_per_engine(pg.num_gpus_per_engine)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from belayer_plugin.hooks.nemo_rl import fault_tolerant
+    from belayer_plugin.hooks.nemo_rl.cpu_policy import CpuStreamingPolicy
+
+    _, sg = nrl
+    knobs = {**KNOBS, "run_dir": str(tmp_path_factory.mktemp("nemo-rl-run")),
+             "engines": {**KNOBS["engines"], "cpu_step_delay_ms": 2}}
+    pg = fault_tolerant(sg.SGLangGeneration)(cluster=nrl_cluster, sglang_cfg=_gen_cfg(tiny_model, True, knobs))
+    try:
+        pg.finish_generation()
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        policy = CpuStreamingPolicy(model, world_size=2)
+        policy.set_rollout_num_gpus_per_engine(pg.num_gpus_per_engine)
+        yield pg, policy
+    finally:
+        pg.shutdown()
+
+
+def test_grpo_setup_calls_work_and_engines_sit_in_nemo_rls_bundles(setup, nrl_cluster):
+    import ray
+
+    pg, policy = setup
+    fm = pg.belayer_fleet
+    assert pg.num_gpus_per_engine == 1 and policy.num_gpus_per_engine == 1 and len(pg.all_engines) == 2
+    assert pg.needs_offload and fm.phase.value == "released" and not fm.monitor._serving.is_set()
+    assert pg._router_actor is None and f"http://{pg.router_ip}:{pg.router_port}" == fm.url  # Belayer's router
+    # placement: engine i on the bundle NeMo-RL gives engine i, with NeMo-RL's resource share
+    assert pg.pg is nrl_cluster.get_placement_groups()[0]
+    assert pg.belayer_placement == {"engine-0": 0, "engine-1": 1}
+    pgid = pg.pg.id.hex()
+    free = ray.available_resources()
+    assert [round(free.get(f"CPU_group_{b}_{pgid}", 0), 2) for b in (0, 1)] == [0.8, 0.8], free
+
+
+def test_refit_follows_tags_adopts_streamed_version_and_counts_one_step(nrl, setup):
+    """grpo.refit_policy_generation as NeMo-RL runs it (colocated): tags ["weights"], streaming to
+    get_rollout_engine_urls() with weight_version, tags ["kv_cache"]."""
+    import torch
+
+    grpo, _ = nrl
+    pg, policy = setup
+    fm = pg.belayer_fleet
+    seen = {}
+
+    def stream(rollout_engine_urls, buffer_size_bytes):  # what the fleet looks like while NeMo-RL streams
+        seen.update(phase=fm.phase.value, probing=fm.monitor._serving.is_set(), urls=list(rollout_engine_urls))
+        return type(policy).stream_weights_via_http(policy, rollout_engine_urls, buffer_size_bytes)
+
+    pg.prepare_for_generation()
+    before = _generated(pg)
+    pg.finish_generation()
+    step0 = pg.belayer_step
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.mul_(1.5)  # "training" changed the policy
+    policy.stream_weights_via_http = stream
+    try:
+        grpo.refit_policy_generation(policy, pg, colocated_inference=True, _refit_buffer_size_gb=0.0005)
+    finally:
+        del policy.stream_weights_via_http
+    assert seen["phase"] == "refit" and seen["probing"] is False, "readiness probes ran while weights streamed"
+    assert seen["urls"] == [fm.slots["engine-0"].info.url, fm.slots["engine-1"].info.url]  # slot order
+    assert policy.calls[-3:] == ["offload_before_refit", "stream_weights_via_http", "offload_after_refit"]
+    assert fm.weights.version == "1" and fm.phase.value == "serving" and fm.monitor._serving.is_set()
+    assert pg.belayer_step == step0 + 1, "the chaos step must count refits, not prepare calls"
+    assert pg.verify_weight_versions() == {"engine-0": "1", "engine-1": "1"}  # nothing fenced
+    after = _generated(pg)
+    assert after != before and all(len(t) == 12 for t in after)
+    # the same prompts on each engine directly agree: both serve the streamed weights
+    for s in fm.slots.values():
+        r = httpx.post(f"{s.info.url}/generate", json={"input_ids": PROMPTS[0], "return_logprob": True,
+                       "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}, timeout=60).json()
+        assert [t[1] for t in r["meta_info"]["output_token_logprobs"]] == after[0]
+        assert r["meta_info"]["weight_version"] == "1"
+
+
+def test_generate_one_sample_and_generate_async_go_through_the_router(nrl, setup):
+    pg, _ = setup
+    sp = pg._build_sampling_params(greedy=True, max_new_tokens=5)
+
+    async def go():
+        one = await pg.generate_one_sample(sp, PROMPTS[1], 7)
+        outs = [o async for o in pg.generate_async(_batch([PROMPTS[1]]), greedy=True)]
+        return one, outs
+
+    one, outs = pg._async_loop.run(go())
+    idx, toks, lps, truncated = one
+    assert idx == 7 and len(toks) == 5 and len(lps) == 5 and truncated is True
+    assert outs[0][1]["output_ids"][0, len(PROMPTS[1]):len(PROMPTS[1]) + 5].tolist() == toks
+
+
+def test_invalidate_kv_cache_waits_for_running_requests_to_drain(nrl, setup):
+    pg, _ = setup
+    sp = pg._build_sampling_params(greedy=True, max_new_tokens=150)
+    fut = asyncio.run_coroutine_threadsafe(pg.generate_one_sample(sp, PROMPTS[0], 0), pg._async_loop.loop)
+    fm = pg.belayer_fleet
+    deadline = time.monotonic() + 30
+    while not any(httpx.get(f"{s.info.url}/flush_cache", timeout=5).status_code == 400 for s in fm.serving_slots()):
+        assert time.monotonic() < deadline and not fut.done(), "the long request never ran"
+        time.sleep(0.02)  # polling the engine's own refusal: there is no event to await from outside
+    assert pg.invalidate_kv_cache() is True
+    assert fut.done(), "flushed while a request was still running"
+    assert len(fut.result()[1]) == 150
+
+
+def test_engine_restarted_mid_rollout_stays_stale_until_the_next_refit_streams_to_it(nrl, setup):
+    grpo, _ = nrl
+    pg, policy = setup
+    fm = pg.belayer_fleet
+    events = pg.belayer_events
+    golden = _generated(pg)
+    victim = fm.slots["engine-0"]
+    old_url = victim.info.url
+    since = events.events[-1].t
+    os.kill(victim.info.actor_pid, signal.SIGKILL)  # mid-rollout: the fleet is serving
+    _wait(pg, lambda e: e.kind == "awaiting_weights" and e.subject == "engine-0", since=since)
+    assert victim.health.state.value == "STALE" and victim.info.url != old_url
+    assert victim.served_version == "default" and fm.weights.version == "1"
+    assert victim.info.url not in _router_urls(pg) and old_url not in _router_urls(pg)
+    assert [s.slot_id for s in fm.serving_slots()] == ["engine-1"]
+    assert _generated(pg) == golden, "the remaining engine serves the current weights"
+
+    pg.finish_generation()
+    urls = pg.get_rollout_engine_urls()
+    assert urls == [victim.info.url, fm.slots["engine-1"].info.url], "the replacement keeps its slot's rank"
+    grpo.refit_policy_generation(policy, pg, colocated_inference=True, _refit_buffer_size_gb=0.0005)
+    assert fm.weights.version == "2" and fm.states() == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}
+    assert {s.info.url for s in fm.slots.values()} <= _router_urls(pg)
+    assert pg.verify_weight_versions() == {"engine-0": "2", "engine-1": "2"}
+    r = httpx.post(f"{victim.info.url}/generate", json={"input_ids": PROMPTS[0], "return_logprob": True,
+                   "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}, timeout=60).json()
+    assert [t[1] for t in r["meta_info"]["output_token_logprobs"]] == _generated(pg)[0]
+
+
+def test_a_slot_without_an_engine_is_named_before_nemo_rl_streams(nrl, setup):
+    pg, _ = setup
+    fm = pg.belayer_fleet
+    since = pg.belayer_events.events[-1].t
+    os.kill(fm.slots["engine-0"].info.actor_pid, signal.SIGKILL)  # its restart budget (1) is spent: retired
+    _wait(pg, lambda e: e.subject == "engine-0" and e.kind == "transition" and e.to_state == "RETIRED", since=since)
+    pg.finish_generation()
+    with pytest.raises(RuntimeError, match=r"engine slot engine-0 \(policy ranks 0\.\.0\).*RETIRED"):
+        pg.get_rollout_engine_urls()
+
+
+# ----------------------------------------------------------------- chaos through the hook
+def test_chaos_engine_kill_paused_scenario_through_the_hook(nrl, ray_cluster, tiny_model, tmp_path):
     """recipes/chaos/engine_kill_paused.yaml's fault (SIGKILL an engine's server at step 1 while paused with
     memory released), injected by Belayer's ChaosInjector through the hook's `belayer.chaos` section."""
+    _, sg = nrl
+    from belayer_plugin.hooks.nemo_rl import fault_tolerant
+
     chaos = {"enabled": True, "scenario": "engine_kill_paused", "kind": "engine_server_kill", "trigger": "step",
              "at": 1, "victim_state": "paused", "count": 1, "probability": 1.0}
-    knobs = {**KNOBS, "run_dir": str(tmp_path), "chaos": chaos}
-    gen = fault_tolerant(StandInSGLangGeneration)(None, _sglang_cfg(tiny_model, True, knobs))
+    knobs = {**KNOBS, "run_dir": str(tmp_path), "chaos": chaos, "restart": {**KNOBS["restart"], "max_restarts": 3}}
+    cfg = _gen_cfg(tiny_model, True, knobs)
+    cfg["colocated"] = {"enabled": False}
+    gen = fault_tolerant(sg.SGLangGeneration)(None, cfg)
     try:
         events = gen.belayer_events
         gen.prepare_for_generation()  # step 1
-        golden = _generate_all(gen)
+        golden = _generated(gen)
         gen.finish_generation()  # the injector fires here
         inject = [e for e in events.events if e.component == "chaos" and e.kind == "inject"]
         assert len(inject) == 1 and inject[0].figures["phase"] == "paused"
-        loop = asyncio.new_event_loop()
-        try:
-            det = loop.run_until_complete(events.wait_for(
-                lambda e: e.kind == "detected" and e.component == "monitor", timeout=30, since=inject[0].t))
-        finally:
-            loop.close()
+        det = _wait(gen, lambda e: e.kind == "detected" and e.component == "monitor", timeout=30, since=inject[0].t)
         assert det.figures["phase"] == "released"
-        urls = gen.get_rollout_engine_urls()  # refit: recovery first
+        urls = gen.get_rollout_engine_urls()  # refit: recovery first (no refit yet: the base weights are current)
         assert len(urls) == 2 and all(s.health.state.value == "HEALTHY" for s in gen.belayer_fleet.slots.values())
         gen.prepare_for_generation()  # step 2
-        assert _generate_all(gen) == golden
+        assert _generated(gen) == golden
     finally:
         gen.shutdown()
+
+
+# ----------------------------------------------------------------- environments
+def test_sandbox_environment_registers_in_nemo_rls_registries_and_create_env_builds_it(nrl, ray_cluster):
+    import ray
+    from nemo_rl.distributed.ray_actor_environment_registry import ACTOR_ENVIRONMENT_REGISTRY
+    from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
+    from nemo_rl.environments.utils import ENV_REGISTRY, create_env
+
+    from belayer_plugin.hooks.nemo_rl import register_environments
+    from belayer_plugin.hooks.nemo_rl.env import ACTOR_FQN
+
+    try:
+        assert register_environments() == "belayer_sandbox"
+        assert register_environments() == "belayer_sandbox"  # idempotent (register_env raises on a second call)
+        assert ENV_REGISTRY["belayer_sandbox"] == {"actor_class_fqn": ACTOR_FQN}
+        assert ACTOR_ENVIRONMENT_REGISTRY[ACTOR_FQN] == PY_EXECUTABLES.SYSTEM
+        env = create_env("belayer_sandbox", {"belayer": {"sandbox": {"backend": "podman"}}})
+        batch, metrics = ray.get(env.global_post_process_and_metrics.remote({"x": 1}), timeout=120)
+        assert batch == {"x": 1} and metrics == {}
+        ray.kill(env)
+    finally:
+        ENV_REGISTRY.pop("belayer_sandbox", None)
+        ACTOR_ENVIRONMENT_REGISTRY.pop(ACTOR_FQN, None)
 
 
 def test_sandbox_environment_step_survives_a_container_kill_consistently(tmp_path):

@@ -1,26 +1,31 @@
-"""Belayer under NeMo-RL's SGLang generation backend (written against nemo_rl/models/generation/sglang/
-sglang_generation.py, `SGLangGeneration(cluster, sglang_cfg)`; NeMo-RL is not installable from PyPI, so this
-is checked against a stand-in with the same interface, see tests/test_hooks_nemo_rl.py).
+"""Belayer under NeMo-RL's SGLang generation backend (nemo_rl/models/generation/sglang/sglang_generation.py,
+`SGLangGeneration(cluster, sglang_cfg)`), checked against NeMo-RL's real classes (tests/test_hooks_nemo_rl.py).
 
 `fault_tolerant(SGLangGeneration)` returns a subclass. With `policy.generation.sglang_cfg.use_fault_tolerance`
 false it is NeMo-RL's class unchanged. With it true, a Belayer fleet owns the SGLang engines and the
 sglang-router (health monitor with Ray liveness in every phase, bounded restarts, confirmed router membership,
-weight-version fencing) and the NeMo-RL methods map onto it:
+weight-version fencing), NeMo-RL's own workers and router are not started, and:
 
-- `finish_generation()`  -> fleet.pause(release_memory=needs_offload): readiness probes stop, Ray liveness
-  keeps watching, so a death while training is detected and repaired before the next rollout;
-- `prepare_for_generation()` -> fleet.resume() (memory back where released, readiness probes again);
-- `get_rollout_engine_urls()` (what NeMo-RL's refit streams weights to) -> fleet.recover_dead() first: it
-  waits for recoveries under way and is a no-op (returns at once, resets nothing) when nothing died; then the
-  URLs of the serving engines only;
-- a dead engine is deregistered from the router (and the removal confirmed) before it is killed; its
-  replacement is registered only when HEALTHY at the current weight version;
-- `invalidate_kv_cache()` -> /flush_cache on every serving engine; `shutdown()` -> fleet.shutdown();
-- `belayer.chaos` (off by default) injects Belayer's chaos kinds into this fleet; the `step` trigger counts
-  prepare_for_generation calls, `victim_state` paused/serving follows finish/prepare.
-NeMo-RL's own generate path is untouched: it posts to `router_ip:router_port`, which is the fleet's router.
+- the attributes NeMo-RL's code reads are set as SGLangGeneration.__init__ sets them (engine topology such as
+  `num_gpus_per_engine`, the placement group and its bundle order, `router_ip`/`router_port` = the fleet's
+  router, NeMo-RL's own HTTP client and loop), so `generate()`, `generate_async()` and `generate_one_sample()`
+  are NeMo-RL's code, posting to Belayer's router;
+- colocated (NeMo-RL runs SGLang colocated only), engine i's actor is scheduled on the bundle NeMo-RL would
+  give engine i (same fractional resources), standby k on engine (k mod N)'s bundle;
+- refit follows NeMo-RL's tags: `prepare_for_generation(tags=["weights"])` -> weights memory back, readiness
+  probes off (Ray liveness stays on); `get_rollout_engine_urls()` -> waits for recoveries under way, then one
+  URL per engine slot in slot order (rank r streams to slot r // num_gpus_per_engine; a replacement takes its
+  slot's index; a slot without an engine is an error naming it); NeMo-RL streams with `weight_version`;
+  `prepare_for_generation(tags=["kv_cache"])` -> the streamed version becomes the fleet's current version
+  (verified per engine; any engine not serving it, e.g. one restarted mid-stream, is STALE: not routed, not in
+  the router, until a refit streams to it), KV cache back, readiness probes on;
+- `finish_generation()` -> fleet.pause(release_memory=needs_offload); `invalidate_kv_cache()` -> /flush_cache
+  on every engine, retried while requests drain (bounded by engines.flush_cache_timeout_s);
+  `shutdown()` -> fleet.shutdown();
+- `belayer.chaos` (off by default) injects Belayer's chaos kinds; the `step` trigger counts generation phases
+  (one per refit), `victim_state` paused/serving follows finish/prepare.
 Knobs: `policy.generation.sglang_cfg.belayer` (a `belayer` section over recipes/belayer/default.yaml),
-validated at construction with every problem named at once.
+validated at construction with every problem named at once (dotted paths in NeMo-RL's recipe).
 """
 
 from __future__ import annotations
@@ -35,31 +40,69 @@ from urllib.parse import urlparse
 from belayer_plugin.config import BelayerConfig, ConfigError
 from belayer_plugin.hooks._config import belayer_section
 
+P = "policy.generation.sglang_cfg"
+BASE_VERSION = "default"  # what an engine that no refit reached reports (Belayer's engines start with it)
 
-def belayer_config_from_sglang_cfg(sglang_cfg: dict) -> BelayerConfig:
-    """The toggle and knobs from NeMo-RL's `policy.generation` (SGLangConfig); raises ConfigError naming all."""
+
+def nemo_rl_topology(sglang_cfg: dict, num_gpus_per_node: Optional[int] = None) -> tuple[dict, list[str]]:
+    """NeMo-RL's engine topology from `policy.generation` as SGLangGeneration.__init__ computes it, and the
+    problems found (dotted paths)."""
+    inner = (sglang_cfg or {}).get("sglang_cfg") or {}
+    srv = inner.get("sglang_server_config")
+    problems: list[str] = []
+    if not isinstance(srv, dict):
+        return {}, [f"{P}.sglang_server_config: missing"]
+    for key in ("num_gpus", "num_gpus_per_engine"):
+        v = srv.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            problems.append(f"{P}.sglang_server_config.{key}: must be an integer >= 1, got {v!r}")
+    if not isinstance(srv.get("needs_offload"), bool):
+        problems.append(f"{P}.sglang_server_config.needs_offload: must be true or false, got {srv.get('needs_offload')!r}")
+    if (inner.get("sglang_router_config") or {}).get("use_external_router"):
+        problems.append(f"{P}.sglang_router_config.use_external_router: must be false with use_fault_tolerance "
+                        "(Belayer owns the router)")
+    if problems:
+        return {}, problems
+    per_engine = srv["num_gpus_per_engine"]
+    local = min(per_engine, num_gpus_per_node or per_engine)
+    return {"num_gpus_per_engine": per_engine, "num_engines": srv["num_gpus"] // local,
+            "needs_offload": srv["needs_offload"]}, []
+
+
+def belayer_config_from_sglang_cfg(sglang_cfg: dict, num_gpus_per_node: Optional[int] = None) -> BelayerConfig:
+    """The toggle and knobs from NeMo-RL's `policy.generation` (SGLangConfig); raises ConfigError naming all.
+    With the toggle on, the number of engines follows NeMo-RL's topology (a different belayer.engines.num_engines
+    is an error)."""
     inner = (sglang_cfg or {}).get("sglang_cfg")
     if inner is None:
-        raise ConfigError(["policy.generation.sglang_cfg: missing"])
+        raise ConfigError([f"{P}: missing"])
     toggle = inner.get("use_fault_tolerance", False)
     problems = []
     if not isinstance(toggle, bool):
-        problems.append(f"policy.generation.sglang_cfg.use_fault_tolerance: must be true or false, got {toggle!r}")
+        problems.append(f"{P}.use_fault_tolerance: must be true or false, got {toggle!r}")
         toggle = False
     section = dict(inner.get("belayer") or {})
     engines = dict(section.get("engines") or {})
     if inner.get("model_path") and not engines.get("model_path"):
         engines["model_path"] = inner["model_path"]  # the policy's model unless the knobs say otherwise
+    if toggle:
+        topo, bad = nemo_rl_topology(sglang_cfg, num_gpus_per_node)
+        problems += bad
+        if topo:
+            n = engines.get("num_engines")
+            if n is not None and n != topo["num_engines"]:
+                problems.append(f"{P}.belayer.engines.num_engines: {n} differs from NeMo-RL's {topo['num_engines']} "
+                                f"(sglang_server_config.num_gpus / num_gpus_per_engine); leave it unset")
+            engines["num_engines"] = topo["num_engines"]
     section["engines"] = engines
     try:
-        cfg = belayer_section(section, use_fault_tolerance=toggle, path="policy.generation.sglang_cfg.belayer")
+        cfg = belayer_section(section, use_fault_tolerance=toggle, path=f"{P}.belayer")
     except ConfigError as e:
         raise ConfigError(problems + list(e.problems)) from None
+    if cfg.use_fault_tolerance and cfg.router.mode != "sglang_router":
+        problems.append(f"{P}.belayer.router.mode: NeMo-RL posts to a router; must be sglang_router")
     if problems:
         raise ConfigError(problems)
-    if cfg.use_fault_tolerance and cfg.router.mode != "sglang_router":
-        raise ConfigError(["policy.generation.sglang_cfg.belayer.router.mode: NeMo-RL posts to a router; "
-                           "must be sglang_router"])
     return cfg
 
 
@@ -86,23 +129,24 @@ class BelayerSGLangMixin:
     belayer_chaos: Any = None
 
     def __init__(self, cluster: Any, sglang_cfg: dict, *args: Any, **kwargs: Any):
-        self.belayer = belayer_config_from_sglang_cfg(sglang_cfg)
+        per_node = getattr(cluster, "num_gpus_per_node", None)
+        self.belayer = belayer_config_from_sglang_cfg(sglang_cfg, per_node)
         if not self.belayer.use_fault_tolerance:
             super().__init__(cluster, sglang_cfg, *args, **kwargs)
             return
         from belayer_plugin.events import EventLog
         from belayer_plugin.fleet.manager import FleetManager
 
-        self.cluster, self.sglang_cfg = cluster, sglang_cfg
-        server_cfg = sglang_cfg["sglang_cfg"].get("sglang_server_config") or {}
-        self.needs_offload = bool(server_cfg.get("needs_offload", False))
+        self._init_nemo_rl_state(cluster, sglang_cfg)
         run_dir = Path(self.belayer.run_dir or "runs/belayer-nemo-rl")
         run_dir.mkdir(parents=True, exist_ok=True)
         self.belayer_events = EventLog(run_dir / "events.jsonl")
         self.belayer_loop = LoopThread()
 
         async def make() -> FleetManager:  # built on the loop that will run it
-            return FleetManager(self.belayer, run_dir, self.belayer_events)
+            fm = FleetManager(self.belayer, run_dir, self.belayer_events)
+            fm.actor_options = self.belayer_actor_options
+            return fm
 
         self.belayer_fleet = self.belayer_loop.run(make(), 30)
         try:
@@ -110,32 +154,103 @@ class BelayerSGLangMixin:
         except BaseException:
             self.belayer_loop.run(self.belayer_fleet.shutdown(), 120)
             self.belayer_loop.stop()
+            self.belayer_fleet = None
             raise
         from belayer_plugin.hooks._chaos import attach_chaos
 
-        self.belayer_step = 0  # rollouts started (the chaos `step` trigger counts these)
+        self.belayer_step = 0  # generation phases begun, one per refit (the chaos `step` trigger counts these)
+        self.belayer_refit_open = False
+        self.belayer_refit_targets: list[str] = []
         self.belayer_chaos = attach_chaos(self.belayer, self.belayer_fleet)
         u = urlparse(self.belayer_fleet.url)
         self.router_ip, self.router_port = u.hostname, u.port
-        self._router_actor = None
-        self._init_nemo_rl_client_side(sglang_cfg)
 
-    def _init_nemo_rl_client_side(self, sglang_cfg: dict) -> None:
-        """What NeMo-RL's generate path needs besides the router (its own helpers, from its own module)."""
-        mro = type(self).__mro__
-        mod = sys.modules.get(mro[mro.index(BelayerSGLangMixin) + 1].__module__)  # the wrapped class's module
-        if mod is not None and hasattr(mod, "AsyncLoopThread") and hasattr(mod, "HttpClient"):
-            self._async_loop = mod.AsyncLoopThread()
-            self._http_client = mod.HttpClient(sglang_cfg)
+    def _init_nemo_rl_state(self, cluster: Any, sglang_cfg: dict) -> None:
+        """What SGLangGeneration.__init__ sets and NeMo-RL's code reads, without its workers and router."""
+        from nemo_rl.models.generation.sglang.utils.async_utils import AsyncLoopThread  # noqa: PLC0415
+        from nemo_rl.models.generation.sglang.utils.http_utils import HttpClient  # noqa: PLC0415
+
+        self.cluster, self.sglang_cfg = cluster, sglang_cfg
+        srv = sglang_cfg["sglang_cfg"]["sglang_server_config"]
+        self.num_gpus_per_engine = srv["num_gpus_per_engine"]
+        self.num_gpus_per_node = getattr(cluster, "num_gpus_per_node", self.num_gpus_per_engine)
+        self.all_engines = [None] * self.belayer.engines.num_engines  # NeMo-RL's workers: none (Belayer's own)
+        self.rank_offset, self.gpu_offset = 0, 0
+        self.needs_offload = srv["needs_offload"]
+        self.model_path = sglang_cfg["sglang_cfg"].get("model_path")
+        self._router_actor = None
+        self._async_loop = AsyncLoopThread()
+        self._http_client = HttpClient(sglang_cfg)
+        self.pg, self.pg_reordered_bundle_indices, self.pg_reordered_gpu_ids = None, [], []
+        self.belayer_placement: dict[str, int] = {}  # actor id -> bundle index it was given
+        colocated = (sglang_cfg.get("colocated") or {}).get("enabled", True)
+        if cluster is not None and colocated:
+            from nemo_rl.distributed.virtual_cluster import get_reordered_bundle  # noqa: PLC0415
+
+            self.pg = cluster._init_placement_groups(strategy="PACK", use_unified_pg=True)[0]
+            if cluster.use_gpus:
+                self.pg_reordered_bundle_indices, self.pg_reordered_gpu_ids, _ = get_reordered_bundle(self.pg)
+            else:  # no GPU ids to order by (NeMo-RL's probe task asks for a GPU share): bundle order
+                self.pg_reordered_bundle_indices = list(range(self.pg.bundle_count))
+
+    def belayer_actor_options(self, actor_id: str) -> dict:
+        """Ray options for an engine ("engine-i") or standby ("shadow-k") actor: NeMo-RL's bundle for that
+        engine, with the resources NeMo-RL's own engine actors take there; {} when not colocated."""
+        if self.pg is None:
+            return {}
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+        kind, _, idx = actor_id.rpartition("-")
+        i = int(idx) % len(self.all_engines) if kind == "shadow" else int(idx)
+        local = min(self.num_gpus_per_engine, self.num_gpus_per_node)
+        bundle = self.pg_reordered_bundle_indices[self.gpu_offset + i * local]
+        self.belayer_placement[actor_id] = bundle
+        share = min(0.2, 1 / self.cluster.max_colocated_worker_groups)
+        return {"num_cpus": share, "num_gpus": share if self.cluster.use_gpus else 0,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=bundle,
+                    placement_group_capture_child_tasks=True)}
 
     # ----------------------------------------------------------------- NeMo-RL's interface
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
         if self.belayer_fleet is None:
             return super().prepare_for_generation(*args, **kwargs)
-        self.belayer_loop.run(self.belayer_fleet.resume(), 600)
+        tags = kwargs.get("tags")
+        fm = self.belayer_fleet
+        if tags is not None and "weights" in tags and "kv_cache" not in tags:
+            # NeMo-RL streams weights next: no readiness probes until the KV cache is back too.
+            self.belayer_loop.run(fm.begin_external_refit(), 600)
+            self.belayer_refit_open = True
+            return True
+        if self.belayer_refit_open:
+            self.belayer_loop.run(self._adopt_streamed_version(), 600)
+            self.belayer_refit_open = False
+            self.belayer_loop.run(fm.end_external_refit() if tags is not None and "weights" not in tags
+                                  else fm.resume(), 600)
+        else:
+            self.belayer_loop.run(fm.resume(), 600)
         self.belayer_step += 1
         self._chaos_phase("serving")
         return True
+
+    async def _adopt_streamed_version(self) -> dict[str, str]:
+        """The version NeMo-RL streamed (what the refit's engines now report that is neither the fleet's current
+        version nor the base one) becomes the fleet's; nothing changes when nothing was streamed."""
+        fm = self.belayer_fleet
+        reported = {}
+        for sid in self.belayer_refit_targets:
+            s = fm.slots[sid]
+            try:
+                reported[sid] = await asyncio.wait_for(s.actor.weight_version.remote(),
+                                                       self.belayer.monitor.liveness_timeout_s * 5)
+            except Exception:
+                pass  # died after the stream: liveness has it, and it comes back STALE
+        new = {v for v in reported.values() if v not in (fm.weights.version, BASE_VERSION)}
+        if not new:
+            return {}
+        # NeMo-RL's versions are counters: with several (never expected), the newest wins and the rest are STALE.
+        version = max(new, key=lambda v: (len(v), v))
+        return await fm.adopt_version(version, self.belayer_refit_targets)
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
         if self.belayer_fleet is None:
@@ -152,7 +267,18 @@ class BelayerSGLangMixin:
         if self.belayer_fleet is None:
             return super().get_rollout_engine_urls()
         self.recover_before_refit()
-        return [s.info.url for s in self.belayer_fleet.serving_slots()]
+        per = self.num_gpus_per_engine
+        urls, targets = [], []
+        for i, (sid, s) in enumerate(self.belayer_fleet.slots.items()):
+            state = s.health.state.value
+            if s.info is None or state not in ("HEALTHY", "SUSPECT", "STALE"):
+                raise RuntimeError(f"Belayer: engine slot {sid} (policy ranks {i * per}..{(i + 1) * per - 1}) has no "
+                                   f"engine to stream weights to (state {state}); "
+                                   f"fleet: {self.belayer_fleet.states()}")
+            urls.append(s.info.url)
+            targets.append(sid)
+        self.belayer_refit_targets = targets
+        return urls
 
     def recover_before_refit(self, timeout: Optional[float] = None) -> int:
         """Waits for recoveries under way (a no-op when nothing died); returns how many there were."""
@@ -168,14 +294,30 @@ class BelayerSGLangMixin:
     def invalidate_kv_cache(self) -> bool:
         if self.belayer_fleet is None:
             return super().invalidate_kv_cache()
+        timeout = self.belayer.engines.flush_cache_timeout_s
 
-        async def flush() -> bool:
-            slots = self.belayer_fleet.serving_slots()
-            rs = await asyncio.gather(*(s.actor.call.remote("POST", "/flush_cache", None) for s in slots),
-                                      return_exceptions=True)
-            return all(isinstance(r, dict) and r.get("status") == 200 for r in rs)
+        async def flush(s: Any) -> bool:
+            # SGLang refuses a flush while requests run: retry until they drain (as NeMo-RL's refit does).
+            delay, loop = 0.05, asyncio.get_running_loop()
+            end = loop.time() + timeout
+            while True:
+                try:
+                    r = await asyncio.wait_for(s.actor.call.remote("POST", "/flush_cache", None), timeout)
+                    if isinstance(r, dict) and r.get("status") == 200:
+                        return True
+                except Exception:
+                    if not s.health.serving:
+                        return True  # it died: its replacement starts with an empty cache
+                if loop.time() + delay > end:
+                    return False
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
-        return self.belayer_loop.run(flush(), 120)
+        async def all_() -> bool:
+            rs = await asyncio.gather(*(flush(s) for s in self.belayer_fleet.serving_slots()))
+            return all(rs)
+
+        return self.belayer_loop.run(all_(), timeout + 30)
 
     def shutdown(self) -> bool:
         if self.belayer_fleet is None:
@@ -187,7 +329,9 @@ class BelayerSGLangMixin:
         finally:
             self.belayer_loop.stop()
             self.belayer_fleet = None
-        return True
+        if self.pg is not None:
+            self.belayer_placement = {}
+        return super().shutdown()  # NeMo-RL's: closes its HTTP client and loop (no workers, no router of its own)
 
 
 def fault_tolerant(generation_cls: type) -> type:
@@ -197,16 +341,18 @@ def fault_tolerant(generation_cls: type) -> type:
 
 
 def patch_nemo_rl() -> type:
-    """Makes NeMo-RL construct the fault-tolerant class wherever it imports SGLangGeneration (call before
-    building the policy generation, e.g. at the top of your run script). Returns the class."""
+    """Makes NeMo-RL construct the fault-tolerant class wherever it builds SGLangGeneration (grpo, ppo, the
+    single controller's setup, and any module importing it later). Call before building the policy
+    generation, e.g. at the top of your run script. Returns the class."""
     import nemo_rl.models.generation.sglang.sglang_generation as m  # noqa: PLC0415  (NeMo-RL only)
 
-    if not getattr(m.SGLangGeneration, "_belayer", False):
-        cls = fault_tolerant(m.SGLangGeneration)
+    cls = m.SGLangGeneration
+    if not getattr(cls, "_belayer", False):
+        original = cls
+        cls = fault_tolerant(original)
         cls._belayer = True
-        m.SGLangGeneration = cls
-        for name in ("nemo_rl.models.generation.sglang", "nemo_rl.algorithms.grpo"):
-            mod = sys.modules.get(name)
-            if mod is not None and hasattr(mod, "SGLangGeneration"):
+        m.SGLangGeneration = cls  # modules imported from now on get it
+        for name, mod in list(sys.modules.items()):  # and those already imported (grpo, ppo, setup, ...)
+            if name.startswith("nemo_rl") and getattr(mod, "SGLangGeneration", None) is original:
                 setattr(mod, "SGLangGeneration", cls)
-    return m.SGLangGeneration
+    return cls
