@@ -9,20 +9,6 @@ from typing import Any
 
 from belayer_plugin.events import EventLog
 
-# Event kinds that make up the recovery story, by component (the timeline's rows).
-_TIMELINE = {
-    "chaos": ("inject", "missed"),
-    "monitor": ("detected",),
-    "fleet": ("deregistered", "registered", "below_floor", "weight_version_mismatch"),
-    "restart": ("restarted", "backoff"),
-    "shadow": ("handover", "shadow_ready", "shadow_lost"),
-    "recovery": ("resumed", "request_failed_on_engine"),
-    "sandbox": ("restore", "rollback", "checkpoint"),
-    "learner": ("died", "restarted", "resumed"),
-    "loop": ("failed",),
-}
-
-
 def build(loop: Any, status: str, error: Any, duration_s: float) -> dict:
     """Assembles the report of a ReferenceLoop run."""
     evs = loop.events.events
@@ -85,31 +71,139 @@ def render(rep: dict) -> str:
     return "\n".join(out)
 
 
+_STATE_COLORS = {"HEALTHY": "#4caf50", "SUSPECT": "#ffb300", "DEAD": "#e53935", "RESTARTING": "#8e24aa",
+                 "STALE": "#90a4ae", "RETIRED": "#212121", "STANDBY": "#bbdefb"}
+_PHASE_COLORS = {"paused": "#fff3e0", "released": "#fff3e0", "refit": "#e3f2fd"}
+_SUB_ROWS = 6  # request bars stacked inside one engine lane
+
+
+def _fleet_lanes(evs: list[Any], t_end: float) -> tuple[list[str], dict[str, list[tuple[float, float, str]]]]:
+    """Engine slots and standbys, each with its (start, end, state) spans over the run."""
+    spans: dict[str, list[tuple[float, float, str]]] = {}
+    cur: dict[str, tuple[float, str]] = {}
+    slots, standbys = [], []
+
+    def close(lane: str, t: float) -> None:
+        if lane in cur:
+            t0, st = cur.pop(lane)
+            spans.setdefault(lane, []).append((t0, t, st))
+
+    for e in evs:
+        if e.component == "fleet" and e.kind == "transition" and e.to_state:
+            if e.subject not in slots:
+                slots.append(e.subject)
+            close(e.subject, e.t)
+            cur[e.subject] = (e.t, e.to_state)
+        elif e.component == "shadow" and e.kind == "shadow_ready":
+            if e.subject not in standbys:
+                standbys.append(e.subject)
+            close(e.subject, e.t)
+            cur[e.subject] = (e.t, "STANDBY")
+        elif e.component == "shadow" and e.kind in ("shadow_lost", "shadow_failed"):
+            close(e.subject, e.t)
+        elif e.component == "shadow" and e.kind == "handover":
+            close(str(e.figures.get("shadow", "")), e.t)
+    for lane in list(cur):
+        close(lane, t_end)
+    return sorted(slots) + sorted(standbys), spans
+
+
 def timeline_png(events: EventLog, path: Path) -> None:
-    """Draws the recovery events over time, one row per component."""
+    """A picture of the fleet: one lane per engine slot and standby with its health states over time,
+    handovers as arrows, every request's segments as bars on the lanes they ran on (a resumed request jumps
+    lanes, joined by a dashed line), sandbox checkpoints and restores, chaos faults, phases and refits."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    evs = [e for e in events.events if e.kind in _TIMELINE.get(e.component, ()) or
-           (e.component == "rollout" and e.kind == "rolled_back")]
-    rows = list(_TIMELINE) + ["rollout"]
-    t0 = min((e.t for e in events.events), default=0.0)
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    markers = "o^sDv<>pP*X"
-    kinds = sorted({(e.component, e.kind) for e in evs})
-    for i, (comp, kind) in enumerate(kinds):
-        xs = [e.t - t0 for e in evs if (e.component, e.kind) == (comp, kind)]
-        ax.scatter(xs, [rows.index(comp)] * len(xs), marker=markers[i % len(markers)], s=50, label=f"{comp}: {kind}")
-    for e in events.events:
+    evs = sorted(events.events, key=lambda e: e.t)
+    if not evs:
+        return
+    t0, t_end = evs[0].t, evs[-1].t
+    lanes, spans = _fleet_lanes(evs, t_end)
+    extra = ["sandboxes", "chaos", "learner"]
+    rows = lanes + extra
+    y = {name: len(rows) - 1 - i for i, name in enumerate(rows)}  # first lane on top
+    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.62 * len(rows)))
+    # Phases (serving is the white background) and refits.
+    phase, since = "serving", t0
+    for e in evs:
         if e.component == "fleet" and e.kind == "phase":
-            ax.axvline(e.t - t0, color="0.85", lw=0.8, zorder=0)
-    ax.set_yticks(range(len(rows)), rows)
-    ax.set_xlabel("seconds since start (grey lines: phase changes)")
-    ax.set_title("Belayer recovery timeline")
-    if kinds:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+            if phase in _PHASE_COLORS:
+                ax.axvspan(since - t0, e.t - t0, color=_PHASE_COLORS[phase], zorder=0)
+            phase, since = e.reason, e.t
+        elif e.component == "fleet" and e.kind in ("refit_done", "version_adopted"):
+            ax.axvline(e.t - t0, color="#1e88e5", lw=1.0, ls=":", zorder=1)
+            ax.text(e.t - t0, len(rows) - 0.45, str(e.figures.get("version", "")), fontsize=7, color="#1e88e5",
+                    ha="center")
+    if phase in _PHASE_COLORS:
+        ax.axvspan(since - t0, t_end - t0, color=_PHASE_COLORS[phase], zorder=0)
+    # Health states.
+    for lane in lanes:
+        for a, b, st in spans.get(lane, []):
+            ax.broken_barh([(a - t0, max(b - a, 1e-3))], (y[lane] - 0.42, 0.84),
+                           facecolors=_STATE_COLORS.get(st, "#eeeeee"), alpha=0.35, zorder=2)
+    # Requests: segments on the lanes they ran on.
+    reqs = [e for e in evs if e.component == "generation" and e.kind == "request"]
+    free: dict[tuple[str, int], float] = {}
+    for e in reqs:
+        points = []
+        for seg in e.figures.get("segments", []):
+            eng, a, b, _s, _e, outcome = seg
+            if eng not in y:
+                continue
+            sub = min(range(_SUB_ROWS), key=lambda k: max(0.0, free.get((eng, k), 0.0) - a))
+            free[(eng, sub)] = b
+            yy = y[eng] - 0.36 + 0.72 * (sub + 0.5) / _SUB_ROWS
+            failed = str(outcome).startswith("failed")
+            ax.plot([a - t0, b - t0], [yy, yy], lw=2.2, solid_capstyle="butt", zorder=4,
+                    color="#c62828" if failed else ("#6a1b9a" if len(e.figures["segments"]) > 1 else "#37474f"))
+            points.append((a - t0, b - t0, yy))
+        for (_, b1, y1), (a2, _, y2) in zip(points, points[1:]):
+            ax.plot([b1, a2], [y1, y2], ls="--", lw=0.9, color="#6a1b9a", zorder=5)
+    # Handovers: arrows from the standby's lane to the slot it took over.
+    for e in evs:
+        if e.component == "shadow" and e.kind == "handover":
+            src = str(e.figures.get("shadow", ""))
+            if src in y and e.subject in y:
+                ax.annotate("", xy=(e.t - t0, y[e.subject]), xytext=(e.t - t0, y[src]), zorder=6,
+                            arrowprops=dict(arrowstyle="->", color="#0d47a1", lw=1.6))
+    # Sandboxes, chaos, learner.
+    marks = [("sandbox", "checkpoint", "sandboxes", "|", "#455a64", 40),
+             ("sandbox", "checkpoint_skipped", "sandboxes", "|", "#b0bec5", 30),
+             ("sandbox", "fork", "sandboxes", "v", "#00897b", 60),
+             ("sandbox", "restore", "sandboxes", "o", "#2e7d32", 60),
+             ("rollout", "rolled_back", "sandboxes", "<", "#c62828", 60),
+             ("chaos", "inject", "chaos", "X", "#d50000", 90),
+             ("chaos", "missed", "chaos", "x", "#9e9e9e", 60),
+             ("learner", "died", "learner", "X", "#d50000", 80),
+             ("learner", "restarted", "learner", "^", "#2e7d32", 60),
+             ("monitor", "detected", None, "*", "#ff6f00", 90)]
+    handles = []
+    for comp, kind, lane, m, color, size in marks:
+        pts = [(e.t - t0, y[lane] if lane else y.get(e.subject)) for e in evs
+               if e.component == comp and e.kind == kind]
+        pts = [(x, yy) for x, yy in pts if yy is not None]
+        if pts:
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=m, s=size, color=color, zorder=7,
+                       label=f"{comp}: {kind}")
+    ax.set_yticks([y[r] for r in rows], rows)
+    ax.set_ylim(-0.6, len(rows) - 0.2)
+    ax.set_xlim(0, max(1.0, t_end - t0) * 1.01)
+    ax.set_xlabel("seconds since start  (background: orange = paused / memory released, blue = refit; "
+                  "dotted lines: weight versions)")
+    n_standby = sum(1 for lane in lanes if spans.get(lane) and spans[lane][0][2] == "STANDBY")
+    ax.set_title(f"Belayer fleet: {len(lanes) - n_standby} engine slots + {n_standby} standby, {len(reqs)} requests "
+                 f"({sum(1 for e in reqs if len(e.figures.get('segments', [])) > 1)} resumed on another lane)")
+    handles = [Patch(color=c, alpha=0.5, label=s) for s, c in _STATE_COLORS.items()]
+    handles += [plt.Line2D([], [], color="#37474f", lw=2.2, label="request segment"),
+                plt.Line2D([], [], color="#6a1b9a", lw=2.2, ls="--", label="resumed request"),
+                plt.Line2D([], [], color="#c62828", lw=2.2, label="segment cut by a fault"),
+                plt.Line2D([], [], color="#0d47a1", marker=">", lw=1.5, label="handover")]
+    h2, _ = ax.get_legend_handles_labels()
+    ax.legend(handles=handles + h2, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -6,6 +6,7 @@ Committed tokens are never regenerated: after a failure the request resumes from
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -21,6 +22,8 @@ class Segment:
     end: int
     seed: Optional[int]
     outcome: str = "running"  # running | finished | failed: <reason>
+    t_start: float = field(default_factory=time.time)  # wall clock (the report draws segments on lanes)
+    t_end: float = 0.0
 
 
 @dataclass

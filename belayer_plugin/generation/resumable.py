@@ -175,12 +175,19 @@ class ResumableGenerator:
         log = ContextLog(rid, list(input_ids), int(max_new), want_logprobs=return_logprob)
         if stop_strings(sp) and self.tokenizer_path and self._tokenizer is None:
             self._tokenizer = await asyncio.to_thread(_load_tokenizer, self.tokenizer_path)
+        outcome = "failed"
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
                 await self._run(log, sp, on_progress)
+            outcome = "finished"
         except TimeoutError:
             raise RequestFailedError(rid, f"not finished within recovery.request_timeout_s="
                                           f"{self.cfg.request_timeout_s:g} s", log, status=504) from None
+        finally:
+            # One record per request with where each of its segments ran (the report's fleet picture).
+            self.events.emit("generation", rid, "request", outcome, tokens=log.committed,
+                             segments=[[g.engine, round(g.t_start, 4), round(g.t_end or time.time(), 4), g.start,
+                                        g.end, g.outcome[:40]] for g in log.segments])
         return log, self.response(log, return_logprob)
 
     async def _run(self, log: ContextLog, sp: dict, on_progress: Optional[ProgressFn]) -> None:
@@ -205,14 +212,14 @@ class ResumableGenerator:
                 bind(target, log.rid)
             try:
                 fr = await self._segment(log, seg, sp, seg_seed, on_progress)
-                seg.outcome = "finished"
+                seg.outcome, seg.t_end = "finished", time.time()
                 if fr is not None:
                     if fr.get("type") == "length":
                         fr = {"type": "length", "length": log.max_new_tokens}
                     log.finish_reason = fr
                     return
             except GenerateError as e:
-                seg.outcome = f"failed: {e.reason[:200]}"
+                seg.outcome, seg.t_end = f"failed: {e.reason[:200]}", time.time()
                 if not e.retriable:
                     raise RequestFailedError(log.rid, f"rejected by {target.url}: {e.reason}", log,
                                              status=e.status or 400) from e
