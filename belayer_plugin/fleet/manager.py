@@ -226,9 +226,11 @@ class FleetManager:
         return {}
 
     async def actor_opts(self, sid: str, role: str) -> dict:
-        """All Ray options for a new engine or standby: a trainer's own placement wins over Belayer's."""
-        if self.actor_options:
-            return {**self.actor_options(sid), **self.actor_env()}
+        """All Ray options for a new engine or standby: a trainer's own options for that id (`actor_options`)
+        win over Belayer's placement; none (or empty) lets Belayer place it."""
+        extra = self.actor_options(sid) if self.actor_options else {}
+        if extra:
+            return {**extra, **self.actor_env()}
         try:
             return {**await self.placement(role), **self.actor_env()}
         except Exception:  # the GCS did not answer: let Ray place it
@@ -371,8 +373,10 @@ class FleetManager:
         if tr.to_state is State.DEAD:
             crashed = sig in (Signal.LIVENESS_LOST, Signal.PROBE_FAILED)  # not a fence of our own
             if crashed and s.info is not None:
-                # Node evidence only together with other slots' deaths (fleet/nodes.py), never alone.
+                # Node evidence only together with other slots' deaths (fleet/nodes.py), never alone;
+                # or from Ray itself, asked (bounded) whether the node is still alive.
                 self.note_death(s.info.node_id, slot_id, incarnation, frozenset(s.rids))
+                self.check_node(s.info.node_id)
             s.rids = set()
             first_seen = s.fault_t or time.time()
             self.events.emit("monitor", slot_id, "detected", reason, level="warning", signal=sig.value,
@@ -581,9 +585,14 @@ class FleetManager:
         except Exception as e:
             self.events.emit("shadow", s.slot_id, "handover_failed", f"{sh.sid}: {type(e).__name__}: {e}"[:300],
                              level="warning", shadow=sh.sid)
+            import ray
+
+            if isinstance(e, ray.exceptions.RayActorError):  # the standby itself died (not just slow)
+                self.note_death(sh.info.node_id, sh.sid, 0)
+                self.check_node(sh.info.node_id)
             ShadowPool._kill(sh.actor)
             if self.shadows is not None:
-                self.shadows.replenish()
+                self.shadows.replenish(failed=True)
             return False
         await self._apply(s, Signal.RESTART_BEGUN, f"handover to {sh.sid}")
         # External weights: the standby keeps what it has and the slot stays STALE until the trainer's refit.

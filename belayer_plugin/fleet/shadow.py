@@ -44,6 +44,7 @@ class ShadowPool:
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
         self._placing = asyncio.Lock()
+        self._adding = 0  # replacements being started
         self._starting: dict[str, str] = {}  # standby id -> the node it is being placed on
 
     @property
@@ -126,7 +127,7 @@ class ShadowPool:
             self.ready.remove(sh)
             self._kill(sh.actor)
             self.fleet.events.emit("shadow", sh.sid, "shadow_lost", reason, level="warning", pool=len(self.ready))
-            self.replenish()
+            self.replenish(failed=True)
 
     def take(self) -> Optional[Shadow]:
         """Removes and returns a standby for handover (None when the pool is empty)."""
@@ -136,27 +137,40 @@ class ShadowPool:
                 sh.watcher.cancel()
             if sh.info.node_id not in self.fleet.excluded_nodes:
                 return sh
-            self._kill(sh.actor)
+            self._kill(sh.actor)  # on an excluded node: replaced elsewhere
+            self.fleet.events.emit("shadow", sh.sid, "shadow_lost", f"on excluded node {sh.info.node_id[:12]}",
+                                   level="warning")
+            self.replenish()
         return None
 
-    def replenish(self) -> None:
-        """Starts a replacement standby in the background, under the pool's restart budget."""
+    def replenish(self, failed: bool = False) -> None:
+        """Starts a replacement standby in the background. Replacing one taken for a handover is free;
+        replacing one that failed (died, or failed its handover) spends the pool's restart budget."""
         if self._closing:
             return
+        if failed:
+            self.policy.record_restart(_POOL, time.monotonic())
         t = asyncio.create_task(self._replenish(), name="shadow-replenish")
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
     async def _replenish(self) -> None:
-        while not self._closing and len(self.ready) < self.target:
+        while not self._closing and len(self.ready) + self._adding < self.target:
             d = self.policy.decide(_POOL, time.monotonic())
             if d.action == "retire":
                 self.fleet.events.emit("shadow", _POOL, "shadow_budget_spent", d.reason, level="warning")
                 return
-            if d.delay_s:
-                await asyncio.sleep(d.delay_s)  # the backoff itself
-            self.policy.record_restart(_POOL, time.monotonic())
-            await self._add()
+            if d.restarts_in_window and d.delay_s:
+                await asyncio.sleep(d.delay_s)  # the backoff itself (only after failures)
+                if len(self.ready) + self._adding >= self.target:
+                    return
+            self._adding += 1
+            try:
+                sh = await self._add()
+            finally:
+                self._adding -= 1
+            if sh is None:
+                self.policy.record_restart(_POOL, time.monotonic())  # a start that failed spends budget
 
     async def refit(self, weights: Any) -> None:
         """keep_warm=refit: every standby loads the new version now (a failing one is replaced)."""
@@ -178,7 +192,7 @@ class ShadowPool:
                     self._kill(sh.actor)
                     self.fleet.events.emit("shadow", sh.sid, "shadow_lost", f"refit failed: {e}"[:300],
                                            level="warning")
-                    self.replenish()
+                    self.replenish(failed=True)
 
         await asyncio.gather(*(one(sh) for sh in list(self.ready)))
 
