@@ -24,6 +24,10 @@ def test_chaos_scenario(script):
 
         if not sglang_available(belayer_cfg("belayer.engines.kind=sglang").engines):
             pytest.skip(".venv-sglang not built (bash .ci/setup.sh --sglang)")
+    if script.stem.startswith("nemo_rl_"):
+        nemo_rl = HERE.parents[2] / "shared" / "upstream" / "nemo-rl"
+        if not (nemo_rl / "nemo_rl").is_dir():
+            pytest.skip(f"NeMo-RL source not found at {nemo_rl} (see .ci/setup_nemo_rl.sh)")
     p = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=850)
     tail = (p.stdout + p.stderr)[-4000:]
     assert p.returncode == 0, f"{script.name} failed:\n{tail}"
