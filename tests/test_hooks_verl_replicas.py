@@ -34,6 +34,9 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+# verl's processes import verl (~10 s of CPU each): the module's Ray actors take minutes on a loaded 2-core box
+pytestmark = pytest.mark.timeout(900)
+
 ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = ["The quick brown fox", "Fault tolerance means", "A rollout engine", "Checkpoint the sandbox"]
 RESPONSE = 40
@@ -166,7 +169,11 @@ def served_by(out) -> set:
 
 @pytest.fixture(scope="module")
 def run(ray_cluster, tiny_model, tmp_path_factory):
-    r = Run(verl_config(tiny_model, tmp_path_factory.mktemp("verl")))
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+
+    # the client an async trainer mode builds (colocate_async / separate_async): in the sync sequence it
+    # behaves as the sync one (no aborts happen there), and the weight-sync scenario needs it
+    r = Run(verl_config(tiny_model, tmp_path_factory.mktemp("verl")), client_cls=FullyAsyncLLMServerClient)
     r.start()
     yield r
     r.close()
@@ -256,8 +263,9 @@ def test_replica_server_sigkilled_mid_rollout_batch_identical_then_recovered_bef
     out = asyncio.run(both())
     assert killed
     _same_but_step(out, golden, run.step)
-    resumed = [s for s in out.non_tensor_batch["belayer"] if len(s["resumed_from"]) > 0]
-    assert resumed and all(s["resumed_from"][0] >= CHUNK for s in resumed), "committed tokens were regenerated"
+    resumed = [s["resumed_from"][0] for s in out.non_tensor_batch["belayer"] if s["resumed_from"]]
+    # resumed where the last chunk was committed: nothing committed is generated again
+    assert resumed and all(x % CHUNK == 0 for x in resumed) and max(resumed) >= CHUNK, resumed
     assert old not in ray.get(run.lb.get_all_servers.remote())
     run.finish_step()  # the dead replica is removed before sleep, restarted, synced, admitted
     ev = run.recovery.events
@@ -300,10 +308,72 @@ def test_replica_killed_between_steps_is_never_called_and_rejoins_at_current_wei
     run.finish_step()
 
 
+def test_weight_sync_abort_in_async_mode_waits_for_wake_up_and_reports_both_versions(run, golden):
+    """colocate_async's sequence while requests are in flight: abort, sleep, update weights, resume."""
+    victim = run.ckpt.replicas[0]
+
+    async def sync_mid_rollout():
+        await asyncio.wait_for(victim.server_handle.wait_served.remote(CHUNK), 60)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, run.ckpt.abort_replicas)
+        await loop.run_in_executor(None, run.ckpt.sleep_replicas)
+        run.step += 1
+        await loop.run_in_executor(None, run.ckpt.update_weights, run.step)
+        await loop.run_in_executor(None, run.ckpt.resume_generation_replicas)
+
+    async def both():
+        first = run.step
+        k = asyncio.create_task(sync_mid_rollout())
+        out = await asyncio.get_running_loop().run_in_executor(None, run.generate)
+        await k
+        return first, out
+
+    first, out = asyncio.run(both())
+    for k in KEYS:
+        assert torch.equal(out.batch[k], golden.batch[k]), k
+    nt = out.non_tensor_batch
+    spans = [i for i in range(len(MESSAGES)) if nt["min_global_steps"][i] != nt["max_global_steps"][i]]
+    assert spans, "no request was in flight across the weight sync"
+    for i in spans:  # a trajectory that spans two versions says so, token span by token span
+        assert (nt["min_global_steps"][i], nt["max_global_steps"][i]) == (first, first + 1)
+        assert [s[2] for s in nt["belayer"][i]["global_steps_spans"]] == [first, first + 1]
+    # chunks in flight were aborted and waited out (a request between chunks was parked at the gate instead)
+    assert sum(b["weight_sync_aborts"] for b in nt["belayer"]) >= 1
+    # not failures: every request stayed on its first server, nothing was evicted or restarted
+    assert all(b["attempts"] == 1 for b in nt["belayer"])
+    _full(run)
+    nxt = run.generate()
+    _same_but_step(nxt, golden, run.step)
+    run.finish_step()
+
+
+def test_below_the_healthy_floor_the_typed_error_names_the_replicas(run, golden):
+    from dataclasses import replace
+
+    from belayer_plugin.hooks.verl import BelayerCheckpointEngineManager, FleetBelowFloorError, ReplicaRecovery
+
+    cfg = run.recovery.cfg
+    strict = ReplicaRecovery(replace(cfg, restart=replace(cfg.restart, max_restarts=0, min_healthy_engines=2)),
+                             run.lb)
+    ckpt = BelayerCheckpointEngineManager(run.ckpt.config, CpuActorWorkerGroup(lambda: ckpt.replicas),
+                                          list(run.ckpt.replicas), recovery=strict)
+    victim = ckpt.replicas[1]
+    _kill(victim)
+    with pytest.raises(FleetBelowFloorError) as e:
+        ckpt.sleep_replicas()
+    assert e.value.usable == 1 and e.value.floor == 2 and "replica-1" in str(e.value) and "RETIRED" in str(e.value)
+    assert victim not in ckpt.replicas  # never called into again
+    # the run's own manager (budget left) restarts it for the next step
+    run.finish_step()
+    _full(run)
+
+
 def test_toggle_off_is_verls_own_client_and_a_dead_replica_fails_the_step(ray_cluster, tiny_model, tmp_path, golden):
     from verl.workers.rollout.llm_server import LLMServerClient
 
-    r = Run(verl_config(tiny_model, tmp_path, ft=False))
+    cfg = verl_config(tiny_model, tmp_path, ft=False)
+    cfg.actor_rollout_ref.rollout.agent.num_workers = 1
+    r = Run(cfg)
     try:
         assert type(r.agents.llm_client) is LLMServerClient and r.recovery is None
         r.start()
@@ -317,3 +387,99 @@ def test_toggle_off_is_verls_own_client_and_a_dead_replica_fails_the_step(ray_cl
         assert "ActorDied" in type(e.value).__name__ or "died" in str(e.value).lower()
     finally:
         r.close()
+
+
+# ------------------------------------------------------------------ tests/functional/verl_replica_kill.sh
+def _digest(out) -> dict:
+    import hashlib
+
+    d = {k: hashlib.sha1(out.batch[k].numpy().tobytes()).hexdigest()[:16] for k in KEYS}
+    for k in ("min_global_steps", "max_global_steps"):
+        d[k] = [int(x) for x in out.non_tensor_batch[k]]
+    return d
+
+
+def _steps(model: str, tmp: Path, steps: int, kill_at: int | None) -> dict:
+    """`steps` trainer steps of the legacy per-step sequence; at step `kill_at` one replica's server is
+    SIGKILLed mid-rollout. Returns what the comparison needs."""
+    import ray
+
+    r = Run(verl_config(model, tmp))
+    try:
+        r.start()
+        rep: dict = {"steps": [], "killed": None}
+        for i in range(steps):
+            at_start = len(ray.get(r.lb.get_all_servers.remote()))
+            if i == kill_at:
+                victim = r.ckpt.replicas[0]
+
+                async def both():
+                    async def kill():
+                        await asyncio.wait_for(victim.server_handle.wait_served.remote(2 * CHUNK), 120)
+                        rep["killed"] = {"step": r.step, "pid": _pid(victim.server_handle),
+                                         "server": victim.server_address}
+                        os.kill(rep["killed"]["pid"], signal.SIGKILL)
+
+                    k = asyncio.create_task(kill())
+                    out = await asyncio.get_running_loop().run_in_executor(None, r.generate)
+                    await k
+                    return out
+
+                out = asyncio.run(both())
+            else:
+                out = r.generate()
+            rep["steps"].append({"step": r.step, "batch": _digest(out), "replicas_at_start": at_start,
+                                 "servers_used": len(served_by(out))})
+            r.finish_step()
+        rep["replicas_at_end"] = len(ray.get(r.lb.get_all_servers.remote()))
+        rep["events"] = [f"{e.subject} {e.kind}" for e in r.recovery.events.events if e.component == "verl"]
+        return rep
+    finally:
+        r.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """verl_replica_kill: the fault-free run, then the same run with one replica killed; compares them."""
+    import argparse
+    import json
+    import tempfile
+
+    from belayer_plugin.engines.tiny_model import ensure_tiny
+    from belayer_plugin.ray_cluster import init_ray
+    from tests.conftest import belayer_cfg
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--kill-at", type=int, default=1, help="0-based step whose rollout loses a replica")
+    p.add_argument("--report", required=True)
+    a = p.parse_args(argv)
+    os.environ.setdefault("BELAYER_CACHE_DIR", str(ROOT / ".cache" / "belayer"))
+    model = str(ensure_tiny(Path(os.environ["BELAYER_CACHE_DIR"]) / "tiny-qwen2"))
+    init_ray(belayer_cfg().ray)
+    tmp = Path(tempfile.mkdtemp(prefix="belayer-verl-"))
+    (tmp / "golden").mkdir()
+    (tmp / "chaos").mkdir()
+    golden = _steps(model, tmp / "golden", a.steps, None)
+    chaos = _steps(model, tmp / "chaos", a.steps, a.kill_at)
+    problems = []
+    if not chaos["killed"]:
+        problems.append("the fault was never delivered")
+    for g, c in zip(golden["steps"], chaos["steps"]):
+        if g["batch"] != c["batch"]:
+            problems.append(f"step {c['step']}: batch differs from the fault-free run: {c['batch']} vs {g['batch']}")
+        if c["replicas_at_start"] != 2:
+            problems.append(f"step {c['step']} started on {c['replicas_at_start']} replica(s), not 2")
+    if len(chaos["steps"]) != a.steps:
+        problems.append(f"ran {len(chaos['steps'])} of {a.steps} steps")
+    if chaos["replicas_at_end"] != 2 or not any(e.endswith(" admitted") for e in chaos["events"]):
+        problems.append(f"the killed replica was not re-admitted: {chaos['events']}")
+    Path(a.report).write_text(json.dumps({"golden": golden, "chaos": chaos, "problems": problems}, indent=1))
+    print(f"verl_replica_kill: killed {chaos['killed']}; events {chaos['events']}")
+    print(f"verl_replica_kill (EXPECT=survival) -> {'PASS' if not problems else 'FAIL'}")
+    for x in problems:
+        print(f"  - {x}")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

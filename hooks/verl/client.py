@@ -21,9 +21,9 @@ keys, so verl's `DataProto.concat` of worker batches never sees a key in some sa
 Server contracts: verl's vLLM server answers `stop_reason="completed"` for both a stop and the length limit,
 so a chunk that used its whole budget without ending on a stop token counts as cut by length (the request goes
 on); SGLang's server reports `stop` / `length` / `abort` itself. In async trainer modes (the trainer built
-verl's `FullyAsyncLLMServerClient`), an abort from a weight sync is not a failure: the tokens served so far are
-kept and the request goes on on the same server once it resumes generation (bounded by
-`recovery.request_timeout_s`), as verl's own client does.
+verl's `FullyAsyncLLMServerClient`), an abort from a weight sync is not a failure: the committed tokens are
+kept and the aborted chunk goes again on the same server once it resumes generation (bounded by
+`recovery.request_timeout_s`), as verl's own client waits and continues.
 """
 
 from __future__ import annotations
@@ -222,12 +222,13 @@ class BelayerLLMServerClient(LLMServerClient):
                 chunk = _sglang_shaped(out, n, self._stop_ids(sp))
                 if chunk["meta_info"]["finish_reason"]["type"] != "abort" or not self.partial_rollout:
                     break
-                # A weight sync aborted the chunk (async modes): keep what it served and go on on this server,
-                # which parks the next call until it resumes generation. Not a failure.
+                # A weight sync aborted the chunk (async modes). Not a failure: the same chunk goes again on this
+                # server, which parks it until generation resumes. Its partial tokens are dropped so that every
+                # cut stays on a chunk boundary (the continuation's logprobs then match an unaborted run's).
                 served.aborts += 1
-                if chunk["output_ids"]:
-                    chunk["meta_info"]["finish_reason"] = {"type": "length", "length": n}
-                    break
+                if server_id not in await self._load_balancer.get_all_servers.remote():
+                    # taken out of the balancer and refusing requests (separate_async): go on elsewhere
+                    raise GenerateError(server_id, "aborted by a weight sync; the server left the load balancer")
                 wait = self.belayer.recovery.request_timeout_s  # parked for the length of a weight sync
             self._record(served, start, out, chunk)
             return chunk

@@ -119,7 +119,9 @@ class ReplicaRecovery:
             try:
                 await replica.launch_servers()  # verl's replica API: new server actor(s) for this replica
             except Exception as e:  # noqa: BLE001  (a failed start is one more death against the budget)
-                self._transition(h, Signal.KILLED, f"restart failed: {type(e).__name__}: {e}"[:300])
+                why = f"restart failed: {type(e).__name__}: {e}"[:300]
+                self._transition(h, Signal.KILLED, why)
+                self.events.emit("verl", key, "restart_failed", why, level="warning")
                 continue
             self._transition(h, Signal.STARTED)  # STALE: not routed before it serves the current weights
             self.events.emit("verl", key, "restarted", f"incarnation {h.incarnation}", url=replica.server_address)

@@ -187,9 +187,12 @@ class BelayerReplica(RolloutReplica):
         model = (mc.get("local_path") if hasattr(mc, "get") else getattr(mc, "local_path", None)) or \
             (mc.get("path") if hasattr(mc, "get") else mc.path)
         log_dir = str(cache_dir(self.belayer) / "verl-replicas")
-        steps = None
+        steps = None  # a restarted server serves nothing current until the next weight sync
         if self._server_handle is not None and self.dead is None:
-            steps = await self._server_handle.get_global_steps.remote()
+            try:
+                steps = await self._server_handle.get_global_steps.remote()
+            except ray.exceptions.RayActorError:
+                self.dead = "server actor gone"
         self.incarnation += 1
         name = f"belayer_replica_{self.replica_rank}{self.name_suffix}_{self.incarnation}_{uuid.uuid4().hex[:6]}"
         handle = ray.remote(BelayerServer).options(
