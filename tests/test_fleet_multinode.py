@@ -38,7 +38,6 @@ def ev(kind, subject=None):
 
 
 async def scenario(run_dir: Path, tiny_model: str) -> dict:
-    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from belayer_plugin.events import EventLog

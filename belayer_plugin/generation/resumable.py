@@ -228,7 +228,7 @@ class ResumableGenerator:
                 await self.selector.failed(target, e.reason[:200])
                 self.events.emit("recovery", log.rid, "request_failed_on_engine", e.reason[:200], level="warning",
                                  engine=target.engine, committed=log.committed, attempt=failures)
-                if seg.end == seg.start and self.cfg.mode == "stream":
+                if seg.end == seg.start and self.cfg.mode == "stream" and not e.reason.startswith(_ABORTED):
                     # Stream mode commits every token, so "no token" means it died on this request's prefill
                     # or first step. (Chunked mode commits per chunk: any mid-chunk kill would look alike, so
                     # there max_attempts alone bounds a poison request.)
@@ -362,9 +362,12 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+_ABORTED = "aborted by the engine"  # a pause or shutdown dropped the request: not an engine death
+
+
 def _checked(fr: dict, seg: Segment) -> dict:
     if fr.get("type") == "abort":  # the engine dropped it (pause, shutdown): go on elsewhere
-        raise GenerateError(seg.url, f"aborted by the engine: {fr.get('message', '')}")
+        raise GenerateError(seg.url, f"{_ABORTED}: {fr.get('message', '')}")
     return fr
 
 
