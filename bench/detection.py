@@ -1,11 +1,25 @@
-"""Fault detection latency: Belayer's monitor vs a sequential probe loop with NeMo-RL's default knobs.
+"""Fault detection latency under load: Belayer vs the detectors a user would otherwise run, at true scale.
 
-Belayer: Ray liveness (a pending call on every engine actor) for crashes, per-engine parallel
-/health_generate probes for hangs, with the knobs of recipes/belayer/default.yaml.
-Baseline: one loop that probes the engines one at a time with /health_generate (interval 60 s, timeout
-60 s in NeMo-RL). Running that for real takes minutes per trial, so the baseline runs with both knobs
-divided by --scale and its measured latencies are multiplied back by --scale (both figures printed).
-Usage: python bench/detection.py [--quick] [--trials N] [--scale 20]
+Every detector watches the SAME engines at the same time, so each fault is timed by all of them at once:
+
+- belayer: Belayer's monitor with recipes/belayer/default.yaml's knobs (Ray liveness of every engine actor,
+  parallel readiness probes while serving), through FleetManager, which also repairs the engine.
+- nemo_rl: NeMo-RL's merged fleet health (nemo_rl/models/generation/fleet_health.py and
+  algorithms/single_controller.py): every 5 s, all serving shards probed concurrently through the worker
+  actor (`is_alive`, here the engine actor's `ping`), 2 s timeout, DEAD after 3 consecutive failures.
+- slime: `--use-fault-tolerance` heartbeat: `/health_generate` to each server in turn every 10 s with a 5 s
+  timeout; one timeout or error stops the server (the 300 s first wait is left out).
+- router: a real sglang-router 0.3.2 with its own defaults (health check every 60 s, 5 s timeout, 3
+  failures, endpoint /health), the engines registered as workers; detected when /workers says unhealthy.
+
+Faults: `sigkill` SIGKILLs the engine's actor process (the engine dies with it, as a vLLM/SGLang worker
+does); `hang` SIGSTOPs the engine's actor and server (a wedged engine: the process exists, answers nothing).
+Load: streaming greedy requests kept in flight on every engine throughout.
+
+Last line: RESULT ratio=.. hang_ratio=.. belayer_kill_s=.. nemo_rl_kill_s=.. slime_kill_s=.. router_kill_s=..
+  belayer_hang_s=.. nemo_rl_hang_s=.. slime_hang_s=.. router_hang_s=.. trials=..
+  ratio: NeMo-RL's median SIGKILL detection / Belayer's; hang_ratio: the same for the hang (medians).
+Usage: python bench/detection.py [--quick] [--trials N] [--no-router]
 """
 
 from __future__ import annotations
@@ -16,145 +30,256 @@ import os
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from belayer_plugin.config import load_belayer_config  # noqa: E402
-from belayer_plugin.engines.launch import free_port, server_command  # noqa: E402
+from belayer_plugin.engines.launch import free_port  # noqa: E402
 from belayer_plugin.events import EventLog  # noqa: E402
 from belayer_plugin.fleet.launch import resolve_model_path  # noqa: E402
 from belayer_plugin.fleet.manager import FleetManager  # noqa: E402
 from belayer_plugin.ray_cluster import init_ray  # noqa: E402
 
-
-async def belayer_trials(cfg, model: str, run_dir: Path, kind: str, trials: int) -> list[float]:
-    fm = FleetManager(cfg, run_dir, EventLog(run_dir / f"events-{kind}.jsonl"), model_path=model)
-    await fm.start()
-    out = []
-    try:
-        for i in range(trials):
-            sid = f"engine-{i % cfg.engines.num_engines}"
-            await asyncio.sleep(random.uniform(0, cfg.monitor.probe_interval_s))  # a random probe phase
-            t0 = time.time()
-            os.kill(fm.slots[sid].info.pid, signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
-            det = await fm.events.wait_for(lambda e: e.kind == "detected" and e.subject == sid, 300, since=t0)
-            out.append(det.t - t0)
-            await fm.events.wait_for(lambda e: e.kind == "registered" and e.subject == sid, 300, since=t0)
-    finally:
-        await fm.shutdown()
-    return out
+NEMO_RL = dict(interval=5.0, timeout=2.0, threshold=3)
+SLIME = dict(interval=10.0, timeout=5.0)
+ROUTER = dict(interval=60, timeout=5, threshold=3)
 
 
-class Baseline:
-    """NeMo-RL-style monitor: every `interval`, probe engines one at a time, each bounded by `timeout`."""
+class NemoRLFleetHealth:
+    """Every `interval`: ping every engine actor concurrently (timeout each); DEAD after `threshold` misses."""
 
-    def __init__(self, urls: list[str], interval: float, timeout: float):
-        self.urls, self.interval, self.timeout = urls, interval, timeout
-        self.dead: dict[str, float] = {}
+    def __init__(self, actors: dict[str, Any]):
+        self.actors, self.fails, self.dead = dict(actors), {k: 0 for k in actors}, {}
 
     async def run(self) -> None:
-        async with httpx.AsyncClient() as c:
-            while True:
-                for u in self.urls:
-                    if u in self.dead:
-                        continue
-                    try:
-                        r = await c.get(f"{u}/health_generate", timeout=self.timeout)
-                        ok = r.status_code == 200
-                    except httpx.HTTPError:
-                        ok = False
-                    if not ok:
-                        self.dead[u] = time.time()
-                await asyncio.sleep(self.interval)
+        while True:
+            await asyncio.sleep(NEMO_RL["interval"])
+
+            async def probe(sid: str, actor: Any) -> None:
+                try:
+                    await asyncio.wait_for(actor.ping.remote(), NEMO_RL["timeout"])
+                    self.fails[sid] = 0
+                except (Exception, asyncio.TimeoutError):
+                    self.fails[sid] += 1
+                    if self.fails[sid] >= NEMO_RL["threshold"] and sid not in self.dead:
+                        self.dead[sid] = time.time()
+
+            await asyncio.gather(*(probe(s, a) for s, a in self.actors.items() if s not in self.dead))
 
 
-def _spawn(cfg, model: str) -> tuple[object, str]:
-    import subprocess
+class SlimeHeartbeat:
+    """Every `interval`: /health_generate to each server in turn; one failure stops it."""
 
-    port = free_port()
-    argv, env = server_command(cfg.engines, model, "127.0.0.1", port)
-    p = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
-    return p, f"http://127.0.0.1:{port}"
+    def __init__(self, urls: dict[str, str], client: httpx.AsyncClient):
+        self.urls, self.client, self.dead = dict(urls), client, {}
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(SLIME["interval"])
+            for sid, url in self.urls.items():
+                if sid in self.dead:
+                    continue
+                try:
+                    ok = (await self.client.get(f"{url}/health_generate", timeout=SLIME["timeout"])).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if not ok:
+                    self.dead[sid] = time.time()
 
 
-async def _ready(url: str) -> None:
-    async with httpx.AsyncClient() as c:
-        for _ in range(1200):
+class RouterWatch:
+    """A real sglang-router with its default health checks; polls /workers for `is_healthy: false`."""
+
+    def __init__(self, log_dir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             "--health-check-interval-secs", str(ROUTER["interval"]),
+             "--health-check-timeout-secs", str(ROUTER["timeout"]),
+             "--health-failure-threshold", str(ROUTER["threshold"])],
+            stdout=open(log_dir / "router-baseline.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.dead: dict[str, float] = {}
+        self.urls: dict[str, str] = {}
+
+    async def ready(self, client: httpx.AsyncClient) -> None:
+        for _ in range(600):
             try:
-                if (await c.get(f"{url}/health", timeout=2)).status_code == 200:
+                if (await client.get(f"{self.url}/workers", timeout=2)).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
-            await asyncio.sleep(0.05)
-    raise TimeoutError(url)
+            await asyncio.sleep(0.05)  # a starting process: nothing to await; bounded by the loop count
+        raise TimeoutError("baseline router did not start")
+
+    async def set_workers(self, client: httpx.AsyncClient, urls: dict[str, str]) -> None:
+        for w in (await client.get(f"{self.url}/workers", timeout=5)).json().get("workers", []):
+            await client.delete(f"{self.url}/workers/{w['id']}", timeout=5)
+        for u in urls.values():
+            await client.post(f"{self.url}/workers", json={"url": u}, timeout=5)
+        self.urls, self.dead = dict(urls), {}
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        by_url = {u: s for s, u in self.urls.items()}
+        while True:
+            await asyncio.sleep(0.25)
+            try:
+                ws = (await client.get(f"{self.url}/workers", timeout=5)).json().get("workers", [])
+            except (httpx.HTTPError, ValueError):
+                continue
+            for w in ws:
+                sid = by_url.get(w.get("url"))
+                if sid and w.get("is_healthy") is False and sid not in self.dead:
+                    self.dead[sid] = time.time()
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
-async def baseline_trials(cfg, model: str, kind: str, trials: int, interval: float, timeout: float) -> list[float]:
-    procs = [_spawn(cfg, model) for _ in range(cfg.engines.num_engines)]
-    await asyncio.gather(*(_ready(u) for _, u in procs))
-    out = []
-    try:
-        for i in range(trials):
-            b = Baseline([u for _, u in procs], interval, timeout)
-            task = asyncio.create_task(b.run())
-            await asyncio.sleep(random.uniform(0, interval))  # a random phase of the probe loop
-            j = i % len(procs)
-            proc, url = procs[j]
-            t0 = time.time()
-            os.kill(proc.pid, signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
-            while url not in b.dead:
-                await asyncio.sleep(0.005)
-            out.append(b.dead[url] - t0)
-            task.cancel()
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            procs[j] = _spawn(cfg, model)
-            await _ready(procs[j][1])
-    finally:
-        for p, _ in procs:
-            os.killpg(p.pid, signal.SIGKILL)
+async def load(fm: FleetManager, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
+    """Keeps two streaming greedy requests in flight on every serving engine."""
+    async def one(k: int) -> None:
+        while not stop.is_set():
+            slots = fm.serving_slots()
+            if not slots:
+                await asyncio.sleep(0.2)
+                continue
+            url = slots[k % len(slots)].info.url
+            body = {"input_ids": list(range(3, 40)), "stream": True,
+                    "sampling_params": {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True}}
+            try:
+                async with client.stream("POST", f"{url}/generate", json=body, timeout=30) as r:
+                    async for _ in r.aiter_lines():
+                        if stop.is_set():
+                            return
+            except httpx.HTTPError:
+                await asyncio.sleep(0.2)  # the engine is gone or hung: try the fleet again shortly
+
+    await asyncio.gather(*(one(k) for k in range(2 * len(fm.slots))))
+
+
+async def trial(fm: FleetManager, kind: str, sid: str, client: httpx.AsyncClient, router: Optional[RouterWatch],
+                wait_s: float) -> dict[str, Optional[float]]:
+    slot = fm.slots[sid]
+    actors = {s: sl.actor for s, sl in fm.slots.items() if sl.health.serving}
+    urls = {s: sl.info.url for s, sl in fm.slots.items() if sl.health.serving}
+    nemo, slime = NemoRLFleetHealth(actors), SlimeHeartbeat(urls, client)
+    tasks = [asyncio.create_task(nemo.run()), asyncio.create_task(slime.run())]
+    if router is not None:
+        await router.set_workers(client, urls)
+        tasks.append(asyncio.create_task(router.run(client)))
+    # a random phase of every periodic detector
+    await asyncio.sleep(random.uniform(0, max(NEMO_RL["interval"], SLIME["interval"])))
+    pids = [slot.info.actor_pid] + ([slot.info.pid] if kind == "hang" else [])
+    t0 = time.time()
+    for p in pids:
+        os.kill(p, signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
+    det = await fm.events.wait_for(lambda e: e.kind == "detected" and e.subject == sid, wait_s, since=t0)
+    arms = {"nemo_rl": nemo.dead, "slime": slime.dead}
+    if router is not None:
+        arms["router"] = router.dead
+    deadline = t0 + wait_s
+    while time.time() < deadline and not all(sid in d for d in arms.values()):
+        await asyncio.sleep(0.05)  # the baselines are plain loops with no event to await; bounded
+    for t in tasks:
+        t.cancel()
+    out = {"belayer": det.t - t0}
+    out.update({k: (d[sid] - t0 if sid in d else None) for k, d in arms.items()})
+    if kind == "hang":
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)  # Belayer fenced it already; make sure nothing stays stopped
+            except ProcessLookupError:
+                pass
+    await fm.wait_all_healthy(300)
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--trials", type=int, default=0)
-    ap.add_argument("--scale", type=float, default=20.0, help="divide NeMo-RL's 60 s/60 s knobs by this")
-    args = ap.parse_args()
-    trials = args.trials or (2 if args.quick else 5)
+def fmt(x: Optional[float]) -> str:
+    return f"{x:7.2f}" if x is not None else "  never"
+
+
+async def main_async(args: argparse.Namespace) -> None:
     cfg, _ = load_belayer_config("fleet_demo", ["belayer.use_fault_tolerance=true", "belayer.shadow.num_standby=0",
-                                                "belayer.restart.backoff_initial_s=0", "belayer.restart.max_restarts=100",
-                                                "belayer.monitor.boot_grace_s=0"])
+                                                "belayer.restart.backoff_initial_s=0",
+                                                "belayer.restart.max_restarts=100",
+                                                "belayer.engines.cpu_step_delay_ms=5"])
     model = resolve_model_path(cfg)
     init_ray(cfg.ray)
     run_dir = Path(tempfile.mkdtemp(prefix="belayer-bench-detection-"))
-    interval, timeout = 60.0 / args.scale, 60.0 / args.scale
+    fm = FleetManager(cfg, run_dir, EventLog(run_dir / "events.jsonl"), model_path=model)
+    await fm.start()
+    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=200))
+    router = None if args.no_router else RouterWatch(run_dir)
+    if router is not None:
+        await router.ready(client)
+    stop = asyncio.Event()
+    loader = asyncio.create_task(load(fm, client, stop))
     m = cfg.monitor
-    print(f"Belayer knobs: probe_interval_s={m.probe_interval_s} probe_timeout_s={m.probe_timeout_s} "
-          f"failure_threshold={m.failure_threshold}; baseline: sequential loop, interval {interval:g} s, "
-          f"timeout {timeout:g} s (NeMo-RL's 60 s / 60 s divided by {args.scale:g}; figures x{args.scale:g} "
-          f"to extrapolate), {cfg.engines.num_engines} CPU engines, {trials} trials each")
-    loop = asyncio.new_event_loop()
-    figures = []
-    for kind in ("sigkill", "hang"):
-        bel = loop.run_until_complete(belayer_trials(cfg, model, run_dir, kind, trials))
-        base = loop.run_until_complete(baseline_trials(cfg, model, kind, trials, interval, timeout))
-        bm, sm = statistics.median(bel), statistics.median(base)
-        print(f"{kind:8s} belayer median {bm:7.3f} s  | baseline median {sm:6.2f} s scaled, "
-              f"{sm * args.scale:7.1f} s at NeMo-RL defaults | ratio {sm * args.scale / bm:8.1f}x "
-              f"(raw per-trial belayer {', '.join(f'{x:.3f}' for x in bel)})")
-        figures.append(f"{kind}_belayer_s={bm:.3f} {kind}_baseline_s={sm * args.scale:.1f} "
-                       f"{kind}_ratio={sm * args.scale / bm:.1f}")
-    loop.close()
-    print("RESULT " + " ".join(figures) + f" baseline_scale={args.scale:g}")
+    wait_s = 240.0 if router is not None else 60.0
+    print(f"{cfg.engines.num_engines} CPU engines under load; Belayer: probe_interval_s={m.probe_interval_s} "
+          f"probe_timeout_s={m.probe_timeout_s} failure_threshold={m.failure_threshold} + Ray liveness; NeMo-RL "
+          f"fleet health {NEMO_RL}; slime {SLIME}; sglang-router 0.3.2 defaults {ROUTER if router else '(skipped)'}; "
+          f"{args.trials} trial(s) per fault; a detector silent for {wait_s:.0f} s reads 'never'")
+    res: dict[str, dict[str, list[Optional[float]]]] = {}
+    try:
+        for kind in ("sigkill", "hang"):
+            res[kind] = {}
+            for i in range(args.trials):
+                r = await trial(fm, kind, f"engine-{i % cfg.engines.num_engines}", client, router, wait_s)
+                for k, v in r.items():
+                    res[kind].setdefault(k, []).append(v)
+                print(f"  {kind:7s} trial {i}: " + "  ".join(f"{k} {fmt(v)} s" for k, v in r.items()), flush=True)
+    finally:
+        stop.set()
+        loader.cancel()
+        if router is not None:
+            router.stop()
+        await client.aclose()
+        await fm.shutdown()
+
+    def med(xs: list[Optional[float]]) -> Optional[float]:
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    figures, ratios = [], {}
+    for kind, arms in res.items():
+        meds = {k: med(v) for k, v in arms.items()}
+        def spread(xs: list[Optional[float]]) -> str:
+            xs = [x for x in xs if x is not None]
+            return f"{min(xs):.2f}..{max(xs):.2f}" if xs else "-"
+
+        print(f"{kind:7s} medians: " + "  ".join(f"{k} {fmt(v)} s ({spread(arms[k])}, {sum(x is None for x in arms[k])} never)"
+                                                  for k, v in meds.items()))
+        tag = "kill" if kind == "sigkill" else "hang"
+        for k, v in meds.items():
+            figures.append(f"{k}_{tag}_s={v:.3f}" if v is not None else f"{k}_{tag}_s=never")
+        b, n = meds["belayer"], meds["nemo_rl"]
+        ratios[kind] = (n / b) if (b and n) else float("nan")
+    print(f"RESULT ratio={ratios['sigkill']:.1f} hang_ratio={ratios['hang']:.2f} " + " ".join(figures)
+          + f" trials={args.trials}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one trial per fault")
+    ap.add_argument("--trials", type=int, default=0, help="trials per fault (default 5)")
+    ap.add_argument("--no-router", action="store_true", help="skip the sglang-router arm (~3 min per trial)")
+    args = ap.parse_args()
+    args.trials = args.trials or (1 if args.quick else 5)
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
