@@ -47,3 +47,67 @@ class FleetMetrics:
         """Exposes /metrics on host:port (loopback by default); returns the port."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
+
+
+class StepMetrics:
+    """Recovery counters and timings accumulated from events between two `take()` calls, flat and named
+    for a trainer's logger (wandb / tensorboard / mlflow through verl's and NeMo-RL's own tracking).
+
+    Names (all under `belayer/`): engine_deaths_detected, detection_s_max, handovers, handover_s_max,
+    cold_restarts, engines_retired, requests_resumed, tokens_saved (tokens kept by token-level resume,
+    not regenerated), requests_failed, env_restores, env_rollback_actions, checkpoints,
+    checkpoints_unchanged (skipped: no side effect), checkpoint_s (time checkpoints ran), chaos_faults.
+    """
+
+    _ZERO = ("engine_deaths_detected", "handovers", "cold_restarts", "engines_retired", "requests_resumed",
+             "tokens_saved", "requests_failed", "env_restores", "env_rollback_actions", "checkpoints",
+             "checkpoints_unchanged", "checkpoint_s", "detection_s_max", "handover_s_max", "chaos_faults")
+
+    def __init__(self, prefix: str = "belayer/"):
+        import threading
+
+        self.prefix = prefix
+        self._lock = threading.Lock()
+        self._acc = dict.fromkeys(self._ZERO, 0.0)
+
+    def on_event(self, ev: "Event | dict") -> None:
+        """Feed with EventLog.subscribe (Event) or a sandbox on_event callback (dict record)."""
+        get = ev.get if isinstance(ev, dict) else lambda k, d=None: getattr(ev, k, d)
+        kind, comp = get("kind"), get("component")
+        fig = (get("figures") or {}) if not isinstance(ev, dict) else {**ev, **(ev.get("figures") or {})}
+        a = self._acc
+        with self._lock:
+            if kind == "detected":
+                a["engine_deaths_detected"] += 1
+                lat = fig.get("latency_from_first_symptom_s")
+                if lat is not None:
+                    a["detection_s_max"] = max(a["detection_s_max"], float(lat))
+            elif kind == "handover" and comp == "shadow":
+                a["handovers"] += 1
+                a["handover_s_max"] = max(a["handover_s_max"], float(fig.get("took_s") or 0.0))
+            elif kind == "restarted" and comp == "restart":
+                a["cold_restarts"] += 1
+            elif kind == "transition" and get("to_state") == "RETIRED":
+                a["engines_retired"] += 1
+            elif kind == "resumed" and comp == "recovery":
+                a["requests_resumed"] += 1
+                a["tokens_saved"] += int(fig.get("committed") or 0)
+            elif kind in ("quarantined",) or (kind == "request" and get("reason") == "failed"):
+                a["requests_failed"] += 1
+            elif kind == "rollback":
+                a["env_restores"] += 1
+                a["env_rollback_actions"] += int(fig.get("discarded_actions") or 0)
+            elif kind == "checkpoint" and comp == "sandbox":
+                a["checkpoints"] += 1
+                a["checkpoint_s"] += float(fig.get("duration_s") or 0.0)
+            elif kind == "checkpoint_skipped" and "checkpoint_boundary" in fig:
+                a["checkpoints_unchanged"] += 1
+            elif kind == "inject" and comp == "chaos":
+                a["chaos_faults"] += 1
+
+    def take(self) -> dict[str, float]:
+        """The counters since the last call (then reset), keyed `<prefix><name>`."""
+        with self._lock:
+            out = {f"{self.prefix}{k}": v for k, v in self._acc.items()}
+            self._acc = dict.fromkeys(self._ZERO, 0.0)
+        return out
