@@ -8,7 +8,7 @@ never restore a corrupt checkpoint and leave nothing running (belayer_plugin.san
 engines: a fleet of CPU engines with a standby behind the front, under concurrent load (streaming and plain,
 greedy and sampled); each round's requests are first run fault-free (the golden ids), then again while one
 engine is SIGKILLed, SIGSTOPped (hang) or loses its Ray actor, at a random token position of a random request
-or between requests. Every request must complete with the golden ids (0 lost, 0 inconsistent), and engines
+or between requests, while the fleet is paused with memory released, or during a refit. Every request must complete with the golden ids (0 lost, 0 inconsistent), and engines
 that lived through the round must have generated exactly the tokens the requests committed on them
 (0 regenerated).
 
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 ENGINE_FAULTS = ("server_kill", "hang", "actor_kill")
-ENGINE_PHASES = ("token", "idle")
+ENGINE_PHASES = ("token", "idle", "paused", "refit")
 
 
 def _bar(total: int, desc: str, enabled: bool) -> Any:
@@ -210,8 +210,20 @@ async def _engine_campaign(cfg: Any, run_dir: Path, faults: int, seed: int, dura
                         fire(seg.engine, f"token {clog.committed} of {clog.rid}")
 
                 base = await _counters(client, fm)
+                victim_slot = rng.choice(sorted(s.slot_id for s in fm.serving_slots()))
                 if phase == "idle":
-                    fire(rng.choice(sorted(s.slot_id for s in fm.serving_slots())), "between requests")
+                    fire(victim_slot, "between requests")
+                elif phase == "paused":  # the trainer's phase: engines paused with memory released
+                    await fm.pause(release_memory=True)
+                    fire(victim_slot, "while paused, memory released")
+                    await fm.recover_dead(timeout)
+                    await fm.resume()
+                elif phase == "refit":  # mid-refit (to the same weights under a new version: same golden ids)
+                    t_mark = time.time()
+                    refit = asyncio.create_task(fm.refit(fm.model_path, f"soak-r{r}"))
+                    await events.wait_for(lambda e: e.kind == "refit_begin", timeout=60, since=t_mark)
+                    fire(victim_slot, "during a refit")
+                    await refit
                 else:
                     gen.observers.append(at_token)
                 try:
@@ -309,6 +321,9 @@ def run_engine_campaign(faults: int, seed: int = 0, duration_s: float = 0.0, con
     cfg, _ = load_belayer_config("demo", ["belayer.chaos.enabled=false", "belayer.monitor.probe_interval_s=0.2",
                                           "belayer.monitor.probe_timeout_s=1", "belayer.monitor.boot_grace_s=0",
                                           "belayer.recovery.stall_timeout_s=2", "belayer.engines.cpu_step_delay_ms=5",
+                                          # the campaign kills the same slots again and again on purpose: the
+                                          # restart budget and the repeat-fault window have their own tests
+                                          "belayer.restart.max_restarts=1000000", "belayer.shadow.fault_window_s=0.001",
                                           *(overrides or [])])
     rd = run_dir or Path(tempfile.mkdtemp(prefix="belayer-soak-engines-"))
     rd.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -142,9 +143,21 @@ class FaultyBackend:
                 # Delivery, not intent: only a kill of a container verified running counts as fired.
                 hit = False
                 for v in victims:
-                    if v and self.inner.is_running(v):
+                    if not v:
+                        continue
+                    if self.inner.is_running(v):
                         self.inner.kill(v)
                         hit = True
+                    elif f.phase == "checkpoint":
+                        # Mid-dump the runtime refuses `kill` (the container is not "running"), yet its
+                        # processes live: SIGKILL them directly, as a node fault would.
+                        full = v if len(v) >= 32 else (self.inner.container_id(v) or "")
+                        for pid in cgroup_pids(full) if full else []:
+                            try:
+                                os.kill(pid, signal.SIGKILL)
+                                hit = True
+                            except ProcessLookupError:
+                                pass
                 (self.fired if hit else self.missed).append(f)
             t = threading.Timer(f.delay_s, fire)
             t.daemon = True
