@@ -213,7 +213,8 @@ def setup(nrl, nrl_cluster, tiny_model, tmp_path_factory):
 
     _, sg = nrl
     knobs = {**KNOBS, "run_dir": str(tmp_path_factory.mktemp("nemo-rl-run")),
-             "engines": {**KNOBS["engines"], "cpu_step_delay_ms": 2}}
+             "engines": {**KNOBS["engines"], "cpu_step_delay_ms": 2},
+             "shadow": {**KNOBS["shadow"], "num_standby": 1}}  # a kill is taken over by the standby
     pg = fault_tolerant(sg.SGLangGeneration)(cluster=nrl_cluster, sglang_cfg=_gen_cfg(tiny_model, True, knobs))
     try:
         pg.finish_generation()
@@ -225,7 +226,7 @@ def setup(nrl, nrl_cluster, tiny_model, tmp_path_factory):
         pg.shutdown()
 
 
-def test_grpo_setup_calls_work_and_engines_sit_in_nemo_rls_bundles(setup, nrl_cluster):
+def test_grpo_setup_calls_work_and_engines_and_standby_sit_in_nemo_rls_bundles(setup, nrl_cluster):
     import ray
 
     pg, policy = setup
@@ -233,12 +234,13 @@ def test_grpo_setup_calls_work_and_engines_sit_in_nemo_rls_bundles(setup, nrl_cl
     assert pg.num_gpus_per_engine == 1 and policy.num_gpus_per_engine == 1 and len(pg.all_engines) == 2
     assert pg.needs_offload and fm.phase.value == "released" and not fm.monitor._serving.is_set()
     assert pg._router_actor is None and f"http://{pg.router_ip}:{pg.router_port}" == fm.url  # Belayer's router
-    # placement: engine i on the bundle NeMo-RL gives engine i, with NeMo-RL's resource share
+    # placement: engine i on the bundle NeMo-RL gives engine i, with NeMo-RL's resource share; standby 0 on
+    # engine 0's bundle
     assert pg.pg is nrl_cluster.get_placement_groups()[0]
-    assert pg.belayer_placement == {"engine-0": 0, "engine-1": 1}
+    assert pg.belayer_placement == {"engine-0": 0, "engine-1": 1, "shadow-0": 0}
     pgid = pg.pg.id.hex()
     free = ray.available_resources()
-    assert [round(free.get(f"CPU_group_{b}_{pgid}", 0), 2) for b in (0, 1)] == [0.8, 0.8], free
+    assert [round(free.get(f"CPU_group_{b}_{pgid}", 0), 2) for b in (0, 1)] == [0.6, 0.8], free
 
 
 def test_refit_follows_tags_adopts_streamed_version_and_counts_one_step(nrl, setup):
@@ -312,7 +314,10 @@ def test_invalidate_kv_cache_waits_for_running_requests_to_drain(nrl, setup):
     assert len(fut.result()[1]) == 150
 
 
-def test_engine_restarted_mid_rollout_stays_stale_until_the_next_refit_streams_to_it(nrl, setup):
+def test_engine_handed_over_mid_rollout_stays_stale_until_the_next_refit_streams_to_it(nrl, setup):
+    """The standby holds the initial weights (only NeMo-RL has the trained ones): the slot it takes over is STALE,
+    out of the router, until NeMo-RL's next refit streams to it (tests/functional/nemo_rl_engine_kill.sh: the
+    same for a cold restart)."""
     grpo, _ = nrl
     pg, policy = setup
     fm = pg.belayer_fleet
@@ -323,6 +328,7 @@ def test_engine_restarted_mid_rollout_stays_stale_until_the_next_refit_streams_t
     since = events.events[-1].t
     os.kill(victim.info.actor_pid, signal.SIGKILL)  # mid-rollout: the fleet is serving
     _wait(pg, lambda e: e.kind == "awaiting_weights" and e.subject == "engine-0", since=since)
+    assert any(e.kind == "handover" and e.subject == "engine-0" for e in events.events if e.t >= since)
     assert victim.health.state.value == "STALE" and victim.info.url != old_url
     assert victim.served_version == "default" and fm.weights.version == "1"
     assert victim.info.url not in _router_urls(pg) and old_url not in _router_urls(pg)
