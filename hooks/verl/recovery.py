@@ -151,22 +151,23 @@ class ReplicaRecovery:
 
     async def heal_in_place(self, replicas: list) -> int:
         """v1 trainer path (verl's own checkpoint manager keeps the replica objects): restarts dead Belayer
-        replicas, loads the current weights into them and admits them; returns how many were restarted."""
-        dead = await self.find_dead(replicas)
-        live = [r for r in replicas if all(r is not x for x, _ in dead)]
-        steps = self.steps
-        if steps is None and live:
-            got = [await r.server_handle.get_global_steps.remote() for r in live
-                   if hasattr(r.server_handle, "get_global_steps")]
-            steps = max((g for g in got if g is not None), default=None)
+        replicas in place, brings STALE ones to the current weights and admits them; returns how many."""
+        for r, why in await self.find_dead(replicas):
+            await self.restart(r, why)
+        stale = self.stale(replicas)
+        if not stale:
+            return 0
+        # verl's own checkpoint manager does not tell this process the version: the serving replicas say it
+        got = [await r.server_handle.get_global_steps.remote() for r in replicas
+               if all(r is not x for x in stale) and hasattr(r.server_handle, "get_global_steps")]
+        steps = max((g for g in got if g is not None), default=self.steps)
         n = 0
-        for r, why in dead:
-            if not await self.restart(r, why):
-                continue
-            n += 1
-            if steps is not None:
-                await r.server_handle.load_weights.remote(steps)
-            await self.admit(r, steps)
+        for r in stale:
+            handle = r.server_handle
+            if steps is not None and hasattr(handle, "load_weights") and \
+                    await handle.get_global_steps.remote() != steps:
+                await handle.load_weights.remote(steps)  # died after the last sync: load the current weights
+            n += await self.admit(r, steps)
         return n
 
 

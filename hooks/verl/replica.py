@@ -204,16 +204,27 @@ class BelayerReplica(RolloutReplica):
         self.dead = None
 
     async def _each(self, method: str, **kwargs: Any) -> None:
-        async def one(server: Any) -> None:
+        async def one(server: Any) -> bool:
             try:
                 await getattr(server, method).remote(**kwargs)
+                return True
             except ray.exceptions.RayActorError as e:
                 if not self.belayer.use_fault_tolerance:
                     raise  # off: verl's behaviour, the caller's gather fails
                 self.dead = f"{type(e).__name__} in {method}"
-                log.warning("replica %s: server gone (%s); skipped", self.replica_rank, self.dead)
+                log.warning("replica %s: server gone (%s)", self.replica_rank, self.dead)
+                return False
 
-        await asyncio.gather(*(one(s) for s in self.servers))
+        if all(await asyncio.gather(*(one(s) for s in self.servers))):
+            return
+        # verl's v1 trainer keeps this object in its own CheckpointEngineManager (no option to replace it):
+        # restart in place now, so its next call (the weight sync) reaches a live server; the new server stays
+        # out of the balancer (STALE) until it serves the current weights (Belayer's agent loop manager admits it).
+        from belayer_plugin.hooks.verl.recovery import current_recovery
+
+        rec = current_recovery()  # one call per replica at a time (verl gathers over replicas), so no lock
+        if rec is not None and self.dead is not None and await rec.restart(self, self.dead):
+            await asyncio.gather(*(getattr(s, method).remote(**kwargs) for s in self.servers))
 
     async def wake_up(self) -> None:
         await self._each("wake_up")
