@@ -249,6 +249,12 @@ class ReferenceLoop:
             self._say(f"[step {step}/{lc.num_steps}] {'#' * step}{'.' * (lc.num_steps - step)} "
                       f"{len(done)} trajectories, mean reward {statistics.fmean(rewards):+.2f}, loss {out['loss']:+.4f}, "
                       f"weights v{step} on {len(served)} engine(s), {time.monotonic() - t_step:.1f} s")
+        if self.chaos is not None and self.fleet.shadows is not None:
+            # A chaos run shows its recovery through: standby replacements still starting in the background
+            # finish (or fail, reported) before shutdown, however long a start takes on a loaded machine.
+            pending = [t for t in getattr(self.fleet.shadows, "_tasks", ()) if not t.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=lc.step_timeout_s)
 
     async def _cleanup(self) -> None:
         import ray
