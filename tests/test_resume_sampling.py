@@ -88,17 +88,17 @@ async def test_min_new_tokens_resumes_exactly_at_any_cut(servers, how, at):
 
 
 async def _straddling_stop(servers) -> tuple[str, int, list[int]]:
-    """A stop string spanning tokens [m-2, m+2) of the greedy output, m chosen where they decode cleanly."""
+    """A stop string spanning tokens [m-2, m+10) of the greedy output, m chosen where they decode cleanly: a cut
+    at token m falls inside it, 10 tokens (200 ms on the victim) before the fault-free run would stop."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(servers["model"])
     base = (await _golden(servers["stable"].url, {"max_new_tokens": 80, "temperature": 0.0}))["output_ids"]
-    for m in range(20, 70):
-        piece = tok.decode(base[m - 2:m + 2])
-        if piece.isprintable() and "\ufffd" not in piece and piece not in tok.decode(base[:m + 1]) \
-                and len(piece) >= 4:
+    for m in range(20, 60):
+        piece = tok.decode(base[m - 2:m + 10])
+        if piece.isprintable() and "\ufffd" not in piece and piece not in tok.decode(base[:m + 9]):
             return piece, m, base
-    pytest.fail("no cleanly decodable 4-token span in the greedy output")
+    pytest.fail("no cleanly decodable 12-token span in the greedy output")
 
 
 @pytest.mark.parametrize("how", ["abort", "kill"])
