@@ -40,6 +40,10 @@ def build(loop: Any, status: str, error: Any, duration_s: float) -> dict:
             "engines_retired": sum(1 for e in evs if e.kind == "transition" and e.to_state == "RETIRED"),
         },
         "final_states": loop.fleet.states() if loop.fleet is not None else {},
+        # Every fleet verdict with its evidence (fleet/nodes.py) and every quarantined request.
+        "node_exclusions": [{"node": e.subject, "kind": e.kind, "reason": e.reason} for e in evs
+                            if e.kind in ("node_excluded", "node_exclusion_refused", "node_readmitted")],
+        "poison_requests": [{"rid": e.subject, "reason": e.reason} for e in evs if e.kind == "poison_request"],
         "events": len(evs),
     }
 
@@ -64,6 +68,10 @@ def render(rep: dict) -> str:
                             len(s["engines"]), f"{s['step_s']:.1f}"] for s in rep["steps"]]))
     r = rep["recovery"]
     out.append(_table(["recovery", "count"], [[k.replace("_", " "), v] for k, v in r.items()]))
+    for x in rep.get("node_exclusions", []):
+        out.append(f"node {x['node'][:12]}: {x['kind'].replace('_', ' ')}: {x['reason']}")
+    for x in rep.get("poison_requests", []):
+        out.append(f"poison request {x['rid']}: {x['reason']}")
     if rep["lost"]:
         out.append(f"LOST: {len(rep['lost'])} trajectories; first: {rep['lost'][0]['error']}")
     if rep["error"]:
