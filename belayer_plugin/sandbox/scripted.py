@@ -115,6 +115,7 @@ class FaultyBackend:
         self.seen: set[str] = set()  # every container name/id touched: checked for leftovers at the end
         self._timers: list[threading.Timer] = []
         self._lock = threading.Lock()
+        self._active: dict[str, int] = {}  # phase -> calls in progress
 
     def __getattr__(self, item: str) -> Any:
         return getattr(self.inner, item)
@@ -141,28 +142,40 @@ class FaultyBackend:
                 if not self.armed:
                     return
                 # Delivery, not intent: only a kill of a container verified running counts as fired.
-                hit = False
-                for v in victims:
-                    if not v:
-                        continue
-                    if self.inner.is_running(v):
-                        self.inner.kill(v)
-                        hit = True
-                    elif f.phase == "checkpoint":
-                        # Mid-dump the runtime refuses `kill` (the container is not "running"), yet its
-                        # processes live: SIGKILL them directly, as a node fault would.
-                        full = v if len(v) >= 32 else (self.inner.container_id(v) or "")
-                        for pid in cgroup_pids(full) if full else []:
-                            try:
-                                os.kill(pid, signal.SIGKILL)
-                                hit = True
-                            except ProcessLookupError:
-                                pass
+                hit = self._kill_alive(f, victims)
+                # Mid-checkpoint, podman passes through states with nothing to kill (the original dumped and
+                # exited, the continuation not yet up): keep trying while that call runs (bounded).
+                deadline = time.monotonic() + 1.0
+                while not hit and f.phase == "checkpoint" and self._active.get("checkpoint") \
+                        and time.monotonic() < deadline and self.armed:
+                    time.sleep(0.02)
+                    hit = self._kill_alive(f, victims)
                 (self.fired if hit else self.missed).append(f)
             t = threading.Timer(f.delay_s, fire)
             t.daemon = True
             self._timers.append(t)
             t.start()
+
+    def _kill_alive(self, f: Fault, victims: list[str]) -> bool:
+        """Kills whichever victim is alive now; True when a kill reached a live container."""
+        hit = False
+        for v in victims:
+            if not v:
+                continue
+            if self.inner.is_running(v):
+                self.inner.kill(v)
+                hit = True
+            elif f.phase == "checkpoint":
+                # Mid-dump the runtime refuses `kill` (the container is not "running"), yet its processes
+                # live: SIGKILL them directly, as a node fault would.
+                full = v if len(v) >= 32 else (self.inner.container_id(v) or "")
+                for pid in cgroup_pids(full) if full else []:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        hit = True
+                    except ProcessLookupError:
+                        pass
+        return hit
 
     def run(self, spec: SandboxSpec, name: str) -> str:
         cid = self.inner.run(spec, name)
@@ -180,7 +193,13 @@ class FaultyBackend:
 
     def criu_checkpoint(self, cid: str, spec: SandboxSpec, staging: Path, timeout_s: float, new_name: str):
         self._hit("checkpoint", [cid, new_name])
-        out = self.inner.criu_checkpoint(cid, spec, staging, timeout_s, new_name)
+        with self._lock:
+            self._active["checkpoint"] = self._active.get("checkpoint", 0) + 1
+        try:
+            out = self.inner.criu_checkpoint(cid, spec, staging, timeout_s, new_name)
+        finally:
+            with self._lock:
+                self._active["checkpoint"] -= 1
         if out[1]:
             self.seen.add(out[1])
         return out
