@@ -327,8 +327,8 @@ def test_engine_handed_over_mid_rollout_stays_stale_until_the_next_refit_streams
     old_url = victim.info.url
     since = events.events[-1].t
     os.kill(victim.info.actor_pid, signal.SIGKILL)  # mid-rollout: the fleet is serving
-    _wait(pg, lambda e: e.kind == "awaiting_weights" and e.subject == "engine-0", since=since)
-    assert any(e.kind == "handover" and e.subject == "engine-0" for e in events.events if e.t >= since)
+    _wait(pg, lambda e: e.kind == "handover" and e.subject == "engine-0", since=since)  # emitted last
+    assert any(e.kind == "awaiting_weights" and e.subject == "engine-0" for e in events.events if e.t >= since)
     assert victim.health.state.value == "STALE" and victim.info.url != old_url
     assert victim.served_version == "default" and fm.weights.version == "1"
     assert victim.info.url not in _router_urls(pg) and old_url not in _router_urls(pg)
@@ -345,6 +345,36 @@ def test_engine_handed_over_mid_rollout_stays_stale_until_the_next_refit_streams
     r = httpx.post(f"{victim.info.url}/generate", json={"input_ids": PROMPTS[0], "return_logprob": True,
                    "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}, timeout=60).json()
     assert [t[1] for t in r["meta_info"]["output_token_logprobs"]] == _generated(pg)[0]
+
+
+def test_an_engine_not_serving_the_streamed_version_leaves_the_router_until_a_refit_reaches_it(nrl, setup):
+    grpo, _ = nrl
+    pg, policy = setup
+    fm = pg.belayer_fleet
+    e1 = fm.slots["engine-1"]
+
+    def stream(rollout_engine_urls, buffer_size_bytes):
+        refs = type(policy).stream_weights_via_http(policy, rollout_engine_urls, buffer_size_bytes)
+        import ray
+
+        ray.get(refs)  # then engine-1 "kept" its previous weights: it reports the previous version
+        httpx.post(f"{e1.info.url}/update_weight_version", json={"new_version": fm.weights.version}, timeout=10)
+        return refs
+
+    pg.finish_generation()
+    policy.stream_weights_via_http = stream
+    try:
+        grpo.refit_policy_generation(policy, pg, colocated_inference=True, _refit_buffer_size_gb=0.0005)
+    finally:
+        del policy.stream_weights_via_http
+    assert fm.weights.version == "3" and fm.states() == {"engine-0": "HEALTHY", "engine-1": "STALE"}
+    assert e1.info.url not in _router_urls(pg) and fm.slots["engine-0"].info.url in _router_urls(pg)
+    assert any(e.kind == "weight_version_mismatch" and e.subject == "engine-1" for e in pg.belayer_events.events)
+    assert all(len(t) == 12 for t in _generated(pg))  # engine-0 alone serves
+    pg.finish_generation()
+    grpo.refit_policy_generation(policy, pg, colocated_inference=True, _refit_buffer_size_gb=0.0005)
+    assert fm.weights.version == "4" and fm.states() == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}
+    assert e1.info.url in _router_urls(pg)
 
 
 def test_a_slot_without_an_engine_is_named_before_nemo_rl_streams(nrl, setup):

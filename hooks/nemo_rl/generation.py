@@ -248,8 +248,9 @@ class BelayerSGLangMixin:
         new = {v for v in reported.values() if v not in (fm.weights.version, BASE_VERSION)}
         if not new:
             return {}
-        # NeMo-RL's versions are counters: with several (never expected), the newest wins and the rest are STALE.
-        version = max(new, key=lambda v: (len(v), v))
+        # NeMo-RL's versions are counters: with several (never expected), the highest counter wins; the engines
+        # reporting anything else leave the router as STALE.
+        version = max(new, key=lambda v: (v.isdigit(), int(v) if v.isdigit() else 0, v))
         return await fm.adopt_version(version, self.belayer_refit_targets)
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
