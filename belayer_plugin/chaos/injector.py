@@ -5,6 +5,10 @@ incarnation of one slot is killed), shadow_kill, sandbox_kill, sandbox_kill_chec
 sandbox_kill_restore, learner_kill. Triggers: time (seconds into the run), step (at the phase given by
 victim_state: serving, paused, refit), token (a request reaching token `at`), action (a trajectory
 reaching turn `at`).
+
+Every fault is recorded as delivered, never as intended: an `inject` event is written only after a signal
+reached a process verified alive, or a container verified running was killed and seen stopped; otherwise a
+`missed` event says why and the trigger re-arms (chaos/check.py fails a run without a delivered fault).
 """
 
 from __future__ import annotations
