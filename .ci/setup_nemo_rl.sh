@@ -39,10 +39,10 @@ PYTHONPATH="$NEMO_RL" "$VENV/bin/python" - <<'PYEOF'
 import torch
 assert torch.__version__ == "2.13.0+cpu", torch.__version__
 from belayer_plugin.hooks.nemo_rl.upstream import import_grpo
+grpo = import_grpo()  # first: it aliases typing.TypedDict for NeMo-RL's pydantic configs below Python 3.12
 from nemo_rl.models.generation.sglang.sglang_generation import SGLangGeneration  # noqa: F401
 from nemo_rl.environments.utils import register_env  # noqa: F401
-from nemo_rl.models.generation.fleet_health import attach_fleet_health  # noqa: F401
-grpo = import_grpo()
+from nemo_rl.models.generation.fleet_health import GenerationFleetHealth  # noqa: F401
 print(f"[setup_nemo_rl] ok: NeMo-RL's SGLangGeneration and grpo.{grpo.refit_policy_generation.__name__} import")
 PYEOF
 log "done in $(( $(date +%s) - t0 )) s"
