@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig
 from belayer_plugin.config import BelayerConfig, validate_section
 from belayer_plugin.events import EventLog
 from belayer_plugin.fleet.launch import make_run_dir
+from belayer_plugin.metrics import StepMetrics
 
 
 @dataclass
@@ -68,6 +69,9 @@ class ReferenceLoop:
         self.loop = _loop_config(recipe)
         self.run_dir = make_run_dir(cfg)
         self.events = EventLog(self.run_dir / "events.jsonl")
+        # Per-step recovery counters, as a trainer's logger would get them (see StepMetrics)
+        self.step_metrics = StepMetrics()
+        self.events.subscribe(self.step_metrics.on_event)
         self.progress = progress
         self.fleet: Any = None
         self.learner: Any = None
@@ -245,7 +249,8 @@ class ReferenceLoop:
             rewards = [r.reward for r in done]
             self.steps.append({"step": step, "mean_reward": statistics.fmean(rewards), "loss": out["loss"],
                                "version": f"v{step}", "engines": served, "trajectories": len(done),
-                               "gen_s": round(gen_s, 3), "step_s": round(time.monotonic() - t_step, 3)})
+                               "gen_s": round(gen_s, 3), "step_s": round(time.monotonic() - t_step, 3),
+                               "belayer": self.step_metrics.take()})
             self._say(f"[step {step}/{lc.num_steps}] {'#' * step}{'.' * (lc.num_steps - step)} "
                       f"{len(done)} trajectories, mean reward {statistics.fmean(rewards):+.2f}, loss {out['loss']:+.4f}, "
                       f"weights v{step} on {len(served)} engine(s), {time.monotonic() - t_step:.1f} s")

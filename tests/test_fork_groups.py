@@ -39,3 +39,6 @@ def test_forked_group_equals_replayed_group(tmp_path):
     assert not [e for e in rev if e["kind"] == "fork"]
     modes = [e["figures"]["mode"] for e in fev + rev if e["kind"] == "group_prefix"]
     assert modes == ["fork", "replay"]
+    # the step's recovery metrics (what a trainer's logger gets): the fork's prefix checkpoint was counted
+    m = forked["steps"][0]["belayer"]
+    assert m["belayer/checkpoints"] + m["belayer/checkpoints_unchanged"] >= 1 and m["belayer/chaos_faults"] == 0
