@@ -149,10 +149,11 @@ class BelayerLLMServerClient(LLMServerClient):
                 try:
                     from transformers import GenerationConfig
 
-                    e = GenerationConfig.from_pretrained(model).eos_token_id
+                    # local files only: never a hub download on the request path
+                    e = GenerationConfig.from_pretrained(model, local_files_only=True).eos_token_id
                     ids.update(e if isinstance(e, list) else [e] if e is not None else [])
-                except (OSError, ValueError):
-                    pass  # no generation config: stop_token_ids alone decide
+                except Exception:  # noqa: BLE001  (no readable generation config: stop_token_ids alone decide)
+                    pass
             self._eos = frozenset(int(i) for i in ids)
         return self._eos
 

@@ -52,8 +52,16 @@ class BelayerManagerMixin:
         self.belayer = belayer_section(config.get("belayer"))
         super().__init__(config, belayer_client(llm_client, self.belayer), *args, **kwargs)
         self.recovery = None
+        self.replicas: list = []
         if self.belayer.use_fault_tolerance:
+            from belayer_plugin.hooks.verl.replica import replicas_in_process
+
             self.recovery = ReplicaRecovery(self.belayer, getattr(self.llm_client, "_load_balancer", None))
+            # both trainers build their replicas (LLMServerManager) before the agent loop manager: those are
+            # this run's; replicas another manager of this process claimed before are not
+            self.replicas = [r for r in replicas_in_process() if getattr(r, "belayer_owner", None) is None]
+            for r in self.replicas:
+                r.belayer_owner = id(self)
         set_current_recovery(self.recovery)  # the legacy trainer's BelayerCheckpointEngineManager uses it
 
     @classmethod
@@ -73,12 +81,9 @@ class BelayerManagerMixin:
 
     async def heal_replicas(self) -> int:
         """Restarts dead Belayer replicas of this process and admits them at the current weights."""
-        if self.recovery is None:
+        if self.recovery is None or not self.replicas:
             return 0
-        from belayer_plugin.hooks.verl.replica import replicas_in_process
-
-        replicas = replicas_in_process()
-        return await self.recovery.heal_in_place(replicas) if replicas else 0
+        return await self.recovery.heal_in_place(self.replicas)
 
 
 class BelayerLegacyAgentLoopManager(BelayerManagerMixin, AgentLoopManager):

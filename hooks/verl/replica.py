@@ -173,6 +173,7 @@ class BelayerReplica(RolloutReplica):
                                                       path="actor_rollout_ref.rollout.custom.belayer")
         self.dead: Optional[str] = None  # why the server is gone, once a lifecycle call found it so
         self.incarnation = 0
+        self.belayer_owner: Optional[int] = None  # the agent loop manager that heals it (one per run)
         _replicas.add(self)
 
     async def init_standalone(self) -> None:
