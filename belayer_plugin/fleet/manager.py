@@ -665,13 +665,17 @@ class FleetManager:
         self.weights = Weights(version, weights_path)  # first: restarts racing with us pick it up
         self.events.emit("fleet", "fleet", "refit_begin", f"to {version}", version=version)
         targets = [s for s in self.slots.values() if s.health.state in (State.HEALTHY, State.SUSPECT)]
+        # A slot whose engine died and was replaced (handover, restart) during the refit has a new incarnation
+        # that its own path brought to this version: only the incarnation we tried to update can be stale.
+        incarnations = {s.slot_id: s.health.incarnation for s in targets}
         results_and_shadows = await asyncio.gather(
             asyncio.gather(*(self._update_weights(s, self.weights) for s in targets)),
             self.shadows.refit(self.weights) if self.shadows is not None else asyncio.sleep(0))
         results = results_and_shadows[0]
         bad = []
         for s, ok in zip(targets, results):
-            if not ok and s.health.state in (State.HEALTHY, State.SUSPECT):
+            if not ok and s.health.state in (State.HEALTHY, State.SUSPECT) \
+                    and s.health.incarnation == incarnations[s.slot_id]:
                 alive = await self._alive(s)
                 if alive:
                     # Never silent: the engine leaves the router and is fenced and restarted.
