@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The whole test suite, as two pytest sessions run side by side: the container and chaos-script half spends
+# most of its time waiting on container runtimes and engine start-ups, the other half on engines and Ray,
+# so together they finish in about half the serial time on 2 cores. Each session has its own Ray cluster
+# and private dockerd (tests/conftest.py, tests/sandbox_fixtures.py). Exits non-zero if either half fails.
+#   bash .ci/test.sh            both halves
+#   bash .ci/test.sh -k expr    extra pytest arguments go to both halves
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+out=$(mktemp -d /tmp/belayer-tests-XXXXXX)
+# Half A: sandboxes, containers and the chaos scripts (subprocess runs of the main job).
+A=(tests/test_functional.py tests/test_fork_groups.py tests/test_soak.py tests/test_fuzz_checkpoint.py
+   $(ls tests/test_sandbox_*.py))
+B=()
+for f in tests/test_*.py; do
+  case " ${A[*]} " in *" $f "*) ;; *) B+=("$f") ;; esac
+done
+"$PY" -m pytest -q -rfE --durations=25 --junitxml="$out/a.xml" "${A[@]}" "$@" > "$out/a.log" 2>&1 &
+pa=$!
+"$PY" -m pytest -q -rfE --durations=25 --junitxml="$out/b.xml" "${B[@]}" "$@" > "$out/b.log" 2>&1 &
+pb=$!
+wait $pa; ra=$?
+wait $pb; rb=$?
+echo "=== half A (containers, chaos scripts): exit $ra ==="; cat "$out/a.log"
+echo "=== half B (engines, fleet, hooks): exit $rb ==="; cat "$out/b.log"
+"$PY" - "$out/a.xml" "$out/b.xml" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+
+tot = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+for path in sys.argv[1:]:
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        print(f"no test report at {path}")
+        continue
+    for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+        for k in tot:
+            tot[k] += int(suite.get(k, 0))
+passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
+print(f"{passed} passed, {tot['failures'] + tot['errors']} failed, {tot['skipped']} skipped")
+EOF
+# pytest exits 5 when a half collected nothing: that is a failure of the suite too
+[ $ra -eq 0 ] && [ $rb -eq 0 ]
