@@ -184,9 +184,10 @@ async def test_release_and_resume_memory_occupation(start_cpu_server):
 
 
 async def test_abort_request_finishes_it_with_abort(start_cpu_server):
-    srv = start_cpu_server()
+    srv = start_cpu_server("--step-delay-ms", "5")  # ~20 s for the whole request: it is still running when aborted
     async with httpx.AsyncClient() as c:
-        task = asyncio.create_task(_stream(srv.url, PROMPT, {**GREEDY, "max_new_tokens": 100000}, rid="victim"))
+        # within the context length (a longer request is refused with 400)
+        task = asyncio.create_task(_stream(srv.url, PROMPT, {**GREEDY, "max_new_tokens": 4000}, rid="victim"))
         await _until_running(c, srv.url, 1)
         r = await c.post(srv.url + "/abort_request", json={"rid": "victim"})
         assert r.status_code == 200 and r.json()["aborted"] == 1
