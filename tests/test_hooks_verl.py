@@ -198,10 +198,11 @@ async def test_kill_engine_actor_mid_rollout_agent_loop_ids_identical_and_replac
             inj.stop()
         assert inj.fired == 1
         victim = next(e for e in events.events if e.component == "chaos" and e.t >= since).subject.split()[0]
-        await events.wait_for(lambda e: e.component == "verl" and e.kind == "evicted" and e.subject == victim,
-                              timeout=30, since=since)
+        evicted = await events.wait_for(lambda e: e.component == "verl" and e.kind == "evicted"
+                                        and e.subject == victim, timeout=30, since=since)
+        # after the eviction: `since` can equal the time of the previous kill's admission, which would match
         await events.wait_for(lambda e: e.component == "verl" and e.kind == "admitted" and e.subject == victim,
-                              timeout=60, since=since)
+                              timeout=60, since=evicted.t)
         assert len(await lb.get_all_servers.remote()) == 2
 
 
