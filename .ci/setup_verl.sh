@@ -6,9 +6,9 @@
 # base dependencies that the imported classes need, under the torch constraint (torch stays 2.13.0+cpu)
 # and transformers < 5.11 (verl 0.9.1's own bound, which Belayer's pyproject already keeps).
 # Left out on purpose (verl base dependencies not imported by verl.experimental.agent_loop,
-# verl.workers.rollout.replica, verl.trainer.ppo.ray_trainer): wandb, tensorboard, pylatexenc, pybind11,
-# torchdata. They are imported lazily by trainers/loggers we do not run. peft and accelerate are in: verl's
-# v1 trainer package (its default trainer, and AgentLoopManagerTQ's package) imports them.
+# verl.workers.rollout.replica, verl.trainer.ppo.ray_trainer): wandb, tensorboard, pylatexenc, pybind11.
+# They are imported lazily by trainers/loggers we do not run. peft, accelerate and torchdata are in: verl's
+# v1 trainer package (its default trainer, and AgentLoopManagerTQ's package) imports them at module level.
 set -euo pipefail
 SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 cd "$(dirname "$SELF")/.."
@@ -30,7 +30,7 @@ if [ ! -f "$STAMP" ] || [ "$SELF" -nt "$STAMP" ] || [ .ci/constraints.txt -nt "$
     "torch==2.13.0" "transformers>=5.5.3,<5.11,!=5.6.0" "ray[default]==2.60.0" \
     "tensordict>=0.8.0,<=0.10.0,!=0.9.0" "numpy>=2.0.0" "pyarrow>=19.0.0" \
     hydra-core codetiming datasets dill pandas packaging cachetools \
-    peft accelerate "transferqueue==0.1.11" pyzmq msgspec  # v1 trainer: TransferQueue agent loop
+    peft accelerate torchdata "transferqueue==0.1.11" pyzmq msgspec  # v1 trainer: TransferQueue agent loop
   touch "$STAMP"
 fi
 "$VENV/bin/python" - <<'EOF'
