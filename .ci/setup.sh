@@ -22,16 +22,15 @@ for a in "$@"; do
 done
 PY=${BELAYER_PYTHON:-python3}
 log() { printf '[setup] %s\n' "$*"; }
-# This kind of machine's pip config names local index folders that may not exist: pip then warns once per
-# package. Drop only those lines (pipefail keeps pip's exit status).
-pip_q() { .venv/bin/python -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+. .ci/lib.sh
+pip_q() { pip_in .venv "$@"; }
 
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $($PY --version)"
   $PY -m venv .venv
 fi
 stamp=.venv/.belayer-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ .ci/constraints.txt -nt "$stamp" ]; then
+if needs_install "$stamp" pyproject.toml .ci/constraints.txt; then
   log "installing Belayer and its dependencies into .venv"
   pip_q install -q --disable-pip-version-check --upgrade pip
   pip_q install -q --disable-pip-version-check -c .ci/constraints.txt "torch==2.13.0"

@@ -17,14 +17,15 @@ VENV=$ROOT/.venv
 STAMP=$VENV/.belayer-nemo-rl-installed
 NEMO_RL=${BELAYER_NEMO_RL:-$(dirname "$ROOT")/shared/upstream/nemo-rl}
 log() { printf '[setup_nemo_rl] %s\n' "$*"; }
-pip_q() { "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+. "$ROOT/.ci/lib.sh"
+pip_q() { pip_in "$VENV" "$@"; }
 t0=$(date +%s)
 
 if [ ! -x "$VENV/bin/python" ]; then
   log "no $VENV: run .ci/setup.sh first" >&2
   exit 1
 fi
-if [ ! -f "$STAMP" ] || [ "$SELF" -nt "$STAMP" ] || [ .ci/constraints.txt -nt "$STAMP" ]; then
+if needs_install "$STAMP" "$SELF" .ci/constraints.txt; then
   log "installing what NeMo-RL's imports need into $VENV"
   pip_q install -q --disable-pip-version-check -c .ci/constraints.txt "torch==2.13.0" \
     pyzmq nvidia-ml-py pybase64 torchdata mlflow swanlab wandb tensorboard soundfile datasets \

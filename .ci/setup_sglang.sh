@@ -19,16 +19,15 @@ FREEZE=$ROOT/.ci/sglang-cpu-freeze.txt
 STANDINS=$ROOT/belayer_plugin/engines/sglang_standins
 STAMP=$VENV/.belayer-sglang-installed
 log() { printf '[setup_sglang] %s\n' "$*"; }
-# This kind of machine's pip config names local index folders that may not exist; pip then prints one
-# warning per package. Drop only those lines (pipefail keeps pip's exit status).
-pip_q() { "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+. "$ROOT/.ci/lib.sh"
+pip_q() { pip_in "$VENV" "$@"; }
 t0=$(date +%s)
 
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV with $($PY --version)"
   "$PY" -m venv "$VENV"
 fi
-if [ ! -f "$STAMP" ] || [ "$FREEZE" -nt "$STAMP" ] || [ "$SELF" -nt "$STAMP" ]; then
+if needs_install "$STAMP" "$FREEZE" "$SELF"; then
   log "installing torch 2.13.0+cpu and the SGLang CPU package set (--no-deps) into $VENV"
   pip_q install -q --disable-pip-version-check --upgrade pip
   # The constraint keeps the CPU build (the +cpu local version) whatever pip's index offers.

@@ -16,14 +16,15 @@ ROOT=$PWD
 VENV=$ROOT/.venv
 STAMP=$VENV/.belayer-verl-installed
 log() { printf '[setup_verl] %s\n' "$*"; }
-pip_q() { "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+. "$ROOT/.ci/lib.sh"
+pip_q() { pip_in "$VENV" "$@"; }
 t0=$(date +%s)
 
 if [ ! -x "$VENV/bin/python" ]; then
   log "no $VENV: run .ci/setup.sh first" >&2
   exit 1
 fi
-if [ ! -f "$STAMP" ] || [ "$SELF" -nt "$STAMP" ] || [ .ci/constraints.txt -nt "$STAMP" ]; then
+if needs_install "$STAMP" "$SELF" .ci/constraints.txt; then
   log "installing verl 0.9.1 (--no-deps) and its base dependencies into $VENV"
   pip_q install -q --disable-pip-version-check -c .ci/constraints.txt --no-deps "verl==0.9.1"
   pip_q install -q --disable-pip-version-check -c .ci/constraints.txt \
