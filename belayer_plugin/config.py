@@ -128,12 +128,41 @@ class RouterConfig:
 
 
 @dataclass
+class ProgressConfig:
+    """Hang detection from token progress (fleet/progress.py): silence beyond an engine's own recent gaps."""
+
+    enabled: bool = _req()
+    floor_s: float = _req()  # the least silence that can raise a suspicion
+    gap_multiplier: float = _req()  # allowed silence: this x p95 of the engine's recent inter-token gaps
+    gap_window: int = _req()  # recent gaps kept per engine
+    min_gaps: int = _req()  # gaps an incarnation must stream (after start or resume) before it is watched
+    prefill_s_per_1k_tokens: float = _req()  # extra silence per 1000 prompt tokens still awaiting a first token
+    confirm_timeout_s: float = _req()  # the immediate /health_generate after a stall; no token and no answer: DEAD
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("floor_s", "confirm_timeout_s"):
+            if getattr(self, name) <= 0:
+                out.append(f"{name}: must be > 0")
+        if self.gap_multiplier < 1:
+            out.append("gap_multiplier: must be >= 1")
+        if self.gap_window < 1:
+            out.append("gap_window: must be >= 1")
+        if self.min_gaps < 1:
+            out.append("min_gaps: must be >= 1")
+        if self.prefill_s_per_1k_tokens < 0:
+            out.append("prefill_s_per_1k_tokens: must be >= 0")
+        return out
+
+
+@dataclass
 class MonitorConfig:
     probe_interval_s: float = _req()  # readiness probes (/health_generate), only while serving
     probe_timeout_s: float = _req()
     failure_threshold: int = _req()  # consecutive failed probes before DEAD
     boot_grace_s: float = _req()  # from start or restart until the first HEALTHY (or generated token), never by resume()
     liveness_timeout_s: float = _req()  # bound on one Ray liveness round trip
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
 
     def problems(self) -> list[str]:
         out = []

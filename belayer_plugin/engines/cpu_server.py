@@ -28,6 +28,7 @@ log = logging.getLogger("belayer.cpu_engine")
 
 VERSION = "belayer-cpu-engine-0.1"
 _POISON_TOKEN_ID = -1  # test-only chaos switch (--chaos-poison-token-id); -1: off
+_PREFILL_MS_PER_1K = 0.0  # test-only chaos switch (--chaos-prefill-ms-per-1k-tokens): a slow prefill; 0: off
 
 # Sampling parameters SGLang accepts that this engine honours, and those it accepts but ignores because
 # they have no effect on the tiny model's single-sequence decoding (rejecting them would break trainers).
@@ -252,6 +253,9 @@ class Engine:
                 if req.cache is None:  # prefill: prompt (+ already generated ids, none here)
                     ids = torch.tensor([req.prompt_ids + req.output_ids])
                     self.counters["prompt_tokens"] += ids.shape[1]
+                    if _PREFILL_MS_PER_1K > 0:
+                        # Chaos only: a real model's long prefill, holding the whole batch's next step.
+                        time.sleep(ids.shape[1] * _PREFILL_MS_PER_1K / 1e6)
                 else:
                     ids = torch.tensor([[req.output_ids[-1]]])
                 res = self.model(input_ids=ids, past_key_values=req.cache, use_cache=True)
@@ -663,9 +667,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--chaos-poison-token-id", type=int,
                    default=int(os.environ.get("BELAYER_CHAOS_POISON_TOKEN_ID", "-1")),
                    help="test only: SIGKILL this server when a prompt holds this token id (-1: off)")
+    # Test-only (chaos): a prefill lasting this many ms per 1000 prompt tokens (hang detection's long-prefill test).
+    p.add_argument("--chaos-prefill-ms-per-1k-tokens", type=float,
+                   default=float(os.environ.get("BELAYER_CHAOS_PREFILL_MS_PER_1K", "0")),
+                   help="test only: every prefill sleeps this long per 1000 prompt tokens (0: off)")
     args = p.parse_args(argv)
-    global _POISON_TOKEN_ID
+    global _POISON_TOKEN_ID, _PREFILL_MS_PER_1K
     _POISON_TOKEN_ID = args.chaos_poison_token_id
+    _PREFILL_MS_PER_1K = args.chaos_prefill_ms_per_1k_tokens
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     async def serve() -> None:

@@ -1,6 +1,7 @@
 """Engine health as a pure state machine: no I/O, no threads, no clocks (time is passed in).
 
-    HEALTHY --probe failed / request failed / unavailable--> SUSPECT --threshold failures--> DEAD
+    HEALTHY --probe failed / request failed / unavailable / progress stalled--> SUSPECT --threshold failures--> DEAD
+    SUSPECT --progress resumed--> HEALTHY      HEALTHY|SUSPECT --progress hung (stall + failed probe)--> DEAD
     HEALTHY|SUSPECT|STALE|RESTARTING --liveness lost--> DEAD
     DEAD --restart begun--> RESTARTING --started--> STALE --weights current--> HEALTHY
     HEALTHY --version mismatch--> STALE           DEAD --budget spent--> RETIRED (terminal)
@@ -30,6 +31,9 @@ class Signal(str, enum.Enum):
     PROBE_FAILED = "probe_failed"
     REQUEST_FAILED = "request_failed"  # a client saw this engine fail a request
     UNAVAILABLE = "unavailable"  # Ray: actor unreachable, not (yet) confirmed dead
+    PROGRESS_STALLED = "progress_stalled"  # no token for longer than the engine's recent gaps allow
+    PROGRESS_RESUMED = "progress_resumed"  # a token came while the stall was being confirmed
+    PROGRESS_HUNG = "progress_hung"  # still no token, and the immediate probe went unanswered
     LIVENESS_LOST = "liveness_lost"  # Ray: actor died, or its server process exited
     KILLED = "killed"  # Belayer itself killed it (hung, or fenced)
     RESTART_BEGUN = "restart_begun"
@@ -78,7 +82,7 @@ class EngineHealth:
         if signal in (Signal.LIVENESS_LOST, Signal.KILLED):
             if s is not State.DEAD:
                 new = State.DEAD
-        elif signal is Signal.PROBE_OK:
+        elif signal in (Signal.PROBE_OK, Signal.PROGRESS_RESUMED):
             self.failures = 0
             if s is State.SUSPECT:
                 new = State.HEALTHY
@@ -86,7 +90,10 @@ class EngineHealth:
             if s in (State.HEALTHY, State.SUSPECT):
                 self.failures += 1
                 new = State.DEAD if self.failures >= self.failure_threshold else State.SUSPECT
-        elif signal in (Signal.REQUEST_FAILED, Signal.UNAVAILABLE):
+        elif signal is Signal.PROGRESS_HUNG:
+            if s in (State.HEALTHY, State.SUSPECT):
+                new = State.DEAD  # the stall and the failed probe together are the confirmation
+        elif signal in (Signal.REQUEST_FAILED, Signal.UNAVAILABLE, Signal.PROGRESS_STALLED):
             if s is State.HEALTHY:
                 new = State.SUSPECT  # confirmation comes from liveness or probes, not from one client
         elif signal is Signal.RESTART_BEGUN:

@@ -359,7 +359,8 @@ class FleetManager:
         if s is None or self._closing:
             return
         now = time.monotonic()
-        if sig in (Signal.PROBE_FAILED, Signal.REQUEST_FAILED, Signal.UNAVAILABLE) and s.fault_t is None \
+        if sig in (Signal.PROBE_FAILED, Signal.REQUEST_FAILED, Signal.UNAVAILABLE,
+                   Signal.PROGRESS_STALLED) and s.fault_t is None \
                 and s.health.incarnation == incarnation:
             s.fault_t = time.time()
         tr = s.health.apply(sig, now, incarnation, reason)
@@ -371,7 +372,7 @@ class FleetManager:
         if sig is Signal.UNAVAILABLE and s.info is not None:
             self.check_node(s.info.node_id)
         if tr.to_state is State.DEAD:
-            crashed = sig in (Signal.LIVENESS_LOST, Signal.PROBE_FAILED)  # not a fence of our own
+            crashed = sig in (Signal.LIVENESS_LOST, Signal.PROBE_FAILED, Signal.PROGRESS_HUNG)  # not our fence
             if crashed and s.info is not None:
                 # Node evidence only together with other slots' deaths (fleet/nodes.py), never alone;
                 # or from Ray itself, asked (bounded) whether the node is still alive.

@@ -12,6 +12,14 @@ Two independent signals, as NeMo-RL's review taught:
 The boot grace covers only an incarnation's boot: it is armed when the incarnation is watched (never by
 resume()) and ends at its first successful /health_generate or when the fleet declares it HEALTHY
 (`end_grace`), whichever comes first; from then on it is under the full readiness bounds.
+
+A third signal, token progress (`monitor.progress`, fleet/progress.py), finds a hang in about a second
+instead of probe_interval_s + failure_threshold x probe_timeout_s: clients report what they stream
+(`request_started`, `tokens_seen`, `request_ended`); an engine with requests in flight that stays silent
+past its own adaptive threshold is SUSPECT at once and probed at once (/health_generate, bounded by
+`progress.confirm_timeout_s`); a token or an answer within that bound clears it, neither makes it DEAD
+(`Signal.PROGRESS_HUNG`, fenced and replaced like any other death). Never while paused, released or
+refitting, nor before an incarnation has streamed `progress.min_gaps` gaps since it started or resumed.
 """
 
 from __future__ import annotations
@@ -20,16 +28,23 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Optional
 
 import httpx
 
 from belayer_plugin.config import MonitorConfig
 from belayer_plugin.fleet.health import Signal
+from belayer_plugin.fleet.progress import ProgressTracker, Stall
 
 log = logging.getLogger("belayer.monitor")
 
 OnSignal = Callable[[str, Signal, int, str], Awaitable[None]]
+
+# A wake-up of the progress watcher later than this means the monitor's own event loop was blocked: the
+# overshoot is excused from every engine's silence (tokens may sit unread in our sockets, not be missing).
+_LOOP_LAG_S = 0.25
+# Before a silence is declared, the loop gets this long to read tokens that arrived with the deadline.
+_SETTLE_S = 0.02
 
 
 @dataclass
@@ -53,6 +68,10 @@ class HealthMonitor:
         self._epoch = 0  # bumped by pause(): a probe that started before a pause reports nothing
         self._client = httpx.AsyncClient()
         self._stopped = False
+        self.progress = ProgressTracker(cfg.progress)
+        self._progress_task: Optional[asyncio.Task] = None
+        self._progress_wake = asyncio.Event()
+        self._confirming: dict[str, asyncio.Event] = {}  # engine -> set when a token arrives during confirmation
         self.probes_sent = 0  # /health_generate: only ever while serving
         self.light_probes_sent = 0  # /get_model_info: while paused, released or refitting
 
@@ -67,6 +86,10 @@ class HealthMonitor:
         w.tasks = [asyncio.create_task(self._liveness(w), name=f"liveness-{engine}"),
                    asyncio.create_task(self._readiness(w), name=f"readiness-{engine}")]
         self._watches[engine] = w
+        if self.cfg.progress.enabled:
+            self.progress.watch(engine, incarnation)
+            if self._progress_task is None:
+                self._progress_task = asyncio.create_task(self._progress_loop(), name="progress-watch")
 
     def end_grace(self, engine: str, incarnation: int) -> None:
         """Ends the boot grace of an incarnation (it turned HEALTHY): failed probes count from now on."""
@@ -80,6 +103,8 @@ class HealthMonitor:
 
     def unwatch(self, engine: str) -> None:
         w = self._watches.pop(engine, None)
+        self.progress.forget(engine)
+        self._confirming.pop(engine, None)
         if w is not None:
             for t in w.tasks:
                 t.cancel()
@@ -88,11 +113,87 @@ class HealthMonitor:
         """Stops readiness probes (liveness continues); in-flight probe results are discarded."""
         self._epoch += 1
         self._serving.clear()
+        self.progress.suspend()
 
     def resume(self) -> None:
         """Resumes readiness probes. Does NOT re-arm any boot grace deadline."""
         self._epoch += 1
         self._serving.set()
+        self.progress.resume(time.monotonic())
+        self._progress_wake.set()
+
+    # ------------------------------------------------------------ token progress (fed by clients)
+    def request_started(self, engine: str, incarnation: int, rid: str, prompt_tokens: int) -> None:
+        """A streamed request (or resumed segment) of `prompt_tokens` input tokens began on the engine."""
+        if self.cfg.progress.enabled:
+            self.progress.started(engine, incarnation, rid, prompt_tokens, time.monotonic())
+            self._progress_wake.set()  # an idle engine turned busy: a new, maybe earlier, deadline
+
+    def tokens_seen(self, engine: str, incarnation: int, rid: str) -> None:
+        """New tokens of `rid` streamed back from the engine."""
+        if self.cfg.progress.enabled:
+            self.progress.tokens(engine, incarnation, rid, time.monotonic())
+            ev = self._confirming.get(engine)
+            if ev is not None:
+                ev.set()
+
+    def request_ended(self, engine: str, incarnation: int, rid: str) -> None:
+        """The request left the engine (finished, failed or moved elsewhere)."""
+        if self.cfg.progress.enabled:
+            self.progress.ended(engine, incarnation, rid, time.monotonic())
+
+    async def _progress_loop(self) -> None:
+        while True:
+            self._progress_wake.clear()
+            d = self.progress.next_deadline()
+            t_sleep = time.monotonic()
+            timeout = None if d is None else d - t_sleep
+            if timeout is None or timeout > 0:
+                try:
+                    await asyncio.wait_for(self._progress_wake.wait(), timeout)
+                    continue  # something changed: recompute the deadlines
+                except asyncio.TimeoutError:
+                    pass
+                late = time.monotonic() - (t_sleep + timeout)
+                if late > _LOOP_LAG_S:
+                    self.progress.excuse(late)
+                    log.warning("monitor loop was %.2f s late: excused from every engine's silence", late)
+                    continue
+            await asyncio.sleep(_SETTLE_S)  # let readers take tokens that arrived with the deadline
+            for st in self.progress.stalled(time.monotonic()):
+                w = self._watches.get(st.engine)
+                if w is None or w.incarnation != st.incarnation or not self.serving or self.in_grace(st.engine):
+                    continue
+                log.warning("%s: %s", st.engine, st.reason)
+                await self._emit(w, Signal.PROGRESS_STALLED, st.reason)
+                w.tasks = [t for t in w.tasks if not t.done()]
+                w.tasks.append(asyncio.create_task(self._confirm(w, st), name=f"confirm-{st.engine}"))
+
+    async def _confirm(self, w: _Watch, st: Stall) -> None:
+        """Probes a silent engine at once: a token or an answer clears it; neither within the bound: DEAD."""
+        epoch, timeout = self._epoch, self.cfg.progress.confirm_timeout_s
+        seen = self._confirming[w.engine] = asyncio.Event()
+        probe = asyncio.create_task(self._probe(w.url, "/health_generate", timeout))
+        token = asyncio.create_task(seen.wait())
+        try:
+            await asyncio.wait({probe, token}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if self._confirming.get(w.engine) is seen:
+                del self._confirming[w.engine]
+            token.cancel()
+            if not probe.done():
+                probe.cancel()
+        if epoch != self._epoch:
+            return  # paused or resumed meanwhile: the silence is about another phase
+        if seen.is_set():
+            await self._emit(w, Signal.PROGRESS_RESUMED, "progress: tokens again")
+            return
+        ok, reason = probe.result()
+        if ok:
+            self.progress.answered(w.engine, w.incarnation, time.monotonic())
+            await self._emit(w, Signal.PROBE_OK, "progress: silent but answered /health_generate")
+        else:
+            await self._emit(w, Signal.PROGRESS_HUNG, f"{st.reason}; then {reason}")
 
     async def _emit(self, w: _Watch, sig: Signal, reason: str) -> None:
         if self._stopped or self._watches.get(w.engine) is not w:
@@ -154,16 +255,17 @@ class HealthMonitor:
                 await self._emit(w, Signal.PROBE_FAILED, reason)
                 # no pause after a failure: confirm or clear the suspicion at once
 
-    async def _probe(self, url: str, path: str) -> tuple[bool, str]:
+    async def _probe(self, url: str, path: str, timeout: Optional[float] = None) -> tuple[bool, str]:
+        timeout = self.cfg.probe_timeout_s if timeout is None else timeout
         if path == "/health_generate":
             self.probes_sent += 1
         else:
             self.light_probes_sent += 1
         try:
-            r = await self._client.get(f"{url}{path}", timeout=self.cfg.probe_timeout_s)
+            r = await self._client.get(f"{url}{path}", timeout=timeout)
             return (True, "") if r.status_code == 200 else (False, f"{path} HTTP {r.status_code}")
         except httpx.TimeoutException:
-            return False, f"{path} timed out after {self.cfg.probe_timeout_s:g} s"
+            return False, f"{path} timed out after {timeout:g} s"
         except httpx.HTTPError as e:
             return False, f"{path} {type(e).__name__}"
 
@@ -171,6 +273,8 @@ class HealthMonitor:
         """Cancels every watch and waits for the tasks to end; safe with probes in flight."""
         self._stopped = True
         tasks = [t for w in self._watches.values() for t in w.tasks]
+        if self._progress_task is not None:
+            tasks.append(self._progress_task)
         self._watches.clear()
         for t in tasks:
             t.cancel()

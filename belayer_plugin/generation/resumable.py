@@ -108,6 +108,21 @@ class FleetSelector:
             slot.inflight -= 1
         if slot is not None and rid is not None:
             slot.rids.discard(rid)
+        mon = getattr(self.fleet, "monitor", None)
+        if mon is not None and rid is not None and hasattr(mon, "request_ended"):
+            mon.request_ended(target.engine, target.incarnation, rid)
+
+    def started(self, target: Target, rid: str, prompt_tokens: int) -> None:
+        """A streamed segment began on the target (token progress: fleet/progress.py)."""
+        mon = getattr(self.fleet, "monitor", None)
+        if mon is not None and hasattr(mon, "request_started"):
+            mon.request_started(target.engine, target.incarnation, rid, prompt_tokens)
+
+    def progressed(self, target: Target, rid: str) -> None:
+        """New tokens of `rid` streamed back from the target."""
+        mon = getattr(self.fleet, "monitor", None)
+        if mon is not None and hasattr(mon, "tokens_seen"):
+            mon.tokens_seen(target.engine, target.incarnation, rid)
 
     def poisoned(self, rid: str, targets: list[Target], reason: str) -> None:
         self.fleet.absolve(rid, [(t.engine, t.incarnation) for t in targets], reason)
@@ -210,8 +225,13 @@ class ResumableGenerator:
             bind = getattr(self.selector, "bind", None)
             if bind is not None:
                 bind(target, log.rid)
+            # Token progress for hang detection: stream mode only (a chunk is no per-token signal).
+            seen = getattr(self.selector, "progressed", None) if self.cfg.mode == "stream" else None
+            if seen is not None:
+                self.selector.started(target, log.rid, len(log.prompt_ids) + log.committed)
             try:
-                fr = await self._segment(log, seg, sp, seg_seed, on_progress)
+                fr = await self._segment(log, seg, sp, seg_seed, on_progress,
+                                         None if seen is None else (lambda t=target: seen(t, log.rid)))
                 seg.outcome, seg.t_end = "finished", time.time()
                 if fr is not None:
                     if fr.get("type") == "length":
@@ -273,7 +293,7 @@ class ResumableGenerator:
                 "return_logprob": log.want_logprobs}
 
     async def _segment(self, log: ContextLog, seg: Segment, sp: dict, seed: Optional[int],
-                       on_progress: Optional[ProgressFn]) -> Optional[dict]:
+                       on_progress: Optional[ProgressFn], seen: Optional[Callable[[], None]] = None) -> Optional[dict]:
         """Runs one segment on seg's engine; returns the finish reason, or raises GenerateError."""
         attempt = len(log.segments) - 1
         if self.cfg.mode == "stream":
@@ -284,6 +304,8 @@ class ResumableGenerator:
                 before = log.committed
                 if log.commit(seg, chunk.get("output_ids", []), meta.get("output_token_logprobs"),
                               meta.get("weight_version")):
+                    if seen is not None:
+                        seen()
                     hit = self._stop_across_cut(log, seg, sp, before)
                     await self._progress(on_progress, log, seg)
                     if hit is not None:

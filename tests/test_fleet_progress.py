@@ -1,0 +1,269 @@
+"""Hang detection from token progress: the pure tracker (fake clock), then real fleets under SIGSTOP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from belayer_plugin.config import ProgressConfig
+from belayer_plugin.events import EventLog
+from belayer_plugin.fleet.manager import FleetManager
+from belayer_plugin.fleet.progress import ProgressTracker
+from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator, Target
+from belayer_plugin.generation.sglang_http import generate
+from tests.conftest import belayer_cfg
+
+CFG = dict(enabled=True, floor_s=1.0, gap_multiplier=8.0, gap_window=32, min_gaps=4,
+           prefill_s_per_1k_tokens=2.0, confirm_timeout_s=1.0)
+
+
+def _tracker(**kw) -> ProgressTracker:
+    t = ProgressTracker(ProgressConfig(**{**CFG, **kw}))
+    t.watch("e0", 1)
+    return t
+
+
+def _stream(t: ProgressTracker, start: float, gap: float, n: int, rid: str = "r", prompt: int = 10) -> float:
+    """One request streaming n tokens `gap` apart from `start`; returns the time of the last token."""
+    t.started("e0", 1, rid, prompt, start)
+    now = start
+    for _ in range(n):
+        now += gap
+        t.tokens("e0", 1, rid, now)
+    return now
+
+
+def test_silence_past_the_floor_is_a_stall_reported_once_and_cleared_by_a_token():
+    t = _tracker()
+    last = _stream(t, 0.0, 0.01, 10)
+    assert t.threshold("e0") == pytest.approx(1.0)  # 8 x 10 ms is under the floor
+    assert t.stalled(last + 0.99) == []
+    [st] = t.stalled(last + 1.0)
+    assert (st.engine, st.incarnation, st.inflight) == ("e0", 1, 1) and "progress" in st.reason
+    assert t.stalled(last + 5.0) == [], "one report per silence"
+    t.tokens("e0", 1, "r", last + 5.1)  # alive after all: a silence it survived raises its own threshold
+    assert t.threshold("e0") == pytest.approx(8 * 5.1)
+    assert t.stalled(last + 45.0) == [] and len(t.stalled(last + 45.9)) == 1
+
+
+def test_threshold_follows_the_engines_own_gaps_as_they_grow_under_load():
+    t = _tracker()
+    now = _stream(t, 0.0, 0.01, 10)
+    for i in range(40):  # the engine slows down gradually (load): 10 ms -> 400 ms per token
+        now += 0.01 * (i + 1)
+        t.tokens("e0", 1, "r", now)
+    th = t.threshold("e0")
+    assert th == pytest.approx(8 * 0.39)  # p95 of the last 32 gaps (0.09 .. 0.40 s)
+    assert t.stalled(now + th - 0.01) == [], "a merely slow engine is not a hang"
+    assert len(t.stalled(now + th)) == 1
+
+
+def test_not_armed_before_warm_up_idle_or_while_suspended_and_resume_counts_from_then():
+    t = _tracker()
+    t.started("e0", 1, "r", 10, 0.0)
+    t.tokens("e0", 1, "r", 0.1)
+    t.tokens("e0", 1, "r", 0.2)  # 1 gap < min_gaps: still warming up (compile, first batches)
+    assert t.next_deadline() is None and t.stalled(100.0) == []
+    last = _stream(t, 0.2, 0.01, 5, rid="r")
+    assert t.next_deadline() == pytest.approx(last + 1.0)
+    t.suspend()  # pause / memory release / refit
+    assert t.next_deadline() is None and t.stalled(last + 100) == []
+    t.resume(last + 100)  # silence counts from here, and it must warm up again
+    assert t.stalled(last + 200) == []
+    _stream(t, last + 200, 0.01, 4, rid="r2")
+    t.ended("e0", 1, "r", last + 200.1)
+    t.ended("e0", 1, "r2", last + 200.1)
+    assert t.next_deadline() is None, "an idle engine is never a hang"
+
+
+def test_prompt_awaiting_its_first_token_extends_the_threshold_by_its_length():
+    t = _tracker()
+    last = _stream(t, 0.0, 0.01, 10)
+    t.started("e0", 1, "long", 6000, last)  # a 6k-token prefill now holds the engine's next step
+    assert t.threshold("e0") == pytest.approx(1.0 + 12.0)
+    assert t.stalled(last + 12.9) == []
+    t.tokens("e0", 1, "long", last + 12.95)  # its first token: the allowance goes (the long gap stays)
+    assert t.threshold("e0") == pytest.approx(8 * 12.95)
+
+
+def test_an_answered_probe_doubles_the_threshold_and_other_incarnations_are_ignored():
+    t = _tracker()
+    last = _stream(t, 0.0, 0.01, 10)
+    assert len(t.stalled(last + 1.0)) == 1
+    t.answered("e0", 1, last + 1.5)  # alive after all (e.g. another client's prefill we cannot see)
+    assert t.stalled(last + 3.4) == [] and len(t.stalled(last + 3.5)) == 1
+    t.tokens("e0", 0, "r", last + 3.6)  # a late stream of the previous incarnation: no news
+    t.watch("e0", 2)  # replaced: nothing carried over
+    assert t.next_deadline() is None
+
+
+def test_an_observer_stall_is_excused():
+    t = _tracker()
+    last = _stream(t, 0.0, 0.01, 10)
+    t.excuse(3.0)
+    assert t.stalled(last + 3.9) == [] and len(t.stalled(last + 4.0)) == 1
+
+
+# ---------------------------------------------------------------- real fleets (CPU engines, Ray, signals)
+PROMPT = [54, 280, 487, 423, 442]
+STEP_MS = 20
+PREFILL_MS_PER_1K = 1500  # the CPU engine's chaos switch: a 2000-token prefill holds every stream ~3 s
+# Probes so slow that only token progress can find a hang within seconds.
+SLOW_PROBES = ["belayer.monitor.probe_interval_s=30", "belayer.monitor.probe_timeout_s=30",
+               "belayer.monitor.failure_threshold=2"]
+
+
+class _Pinned(FleetSelector):
+    """A FleetSelector that sends a request's first segment to one chosen engine (resumes go anywhere)."""
+
+    def __init__(self, fleet, engine: str):
+        super().__init__(fleet)
+        self.engine = engine
+
+    async def pick(self, exclude: set[str], timeout: float) -> Target:
+        s = self.fleet.slots[self.engine]
+        if s.health.serving and s.info.url not in exclude:
+            s.inflight += 1
+            return Target(s.slot_id, s.info.url, s.health.incarnation)
+        return await super().pick(exclude, timeout)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fleet(ray_cluster, tmp_path_factory, tiny_model):
+    run_dir = tmp_path_factory.mktemp("progress")
+    cfg = belayer_cfg("belayer.use_fault_tolerance=true", "belayer.router.mode=direct",
+                      "belayer.engines.num_engines=2", "belayer.shadow.num_standby=0",
+                      f"belayer.engines.cpu_step_delay_ms={STEP_MS}", "belayer.restart.backoff_initial_s=0",
+                      *SLOW_PROBES)
+    fm = FleetManager(cfg, run_dir, EventLog(run_dir / "events.jsonl"), model_path=tiny_model)
+    # Test only: the CPU engines' slow-prefill chaos switch (the fleet passes no such variable itself).
+    fm.actor_options = lambda sid: {"runtime_env": {"env_vars": {"BELAYER_CHAOS_PREFILL_MS_PER_1K":
+                                                                     str(PREFILL_MS_PER_1K)}}}
+    await fm.start()
+    yield fm
+    await fm.shutdown()
+
+
+pytestmark_fleet = pytest.mark.asyncio(loop_scope="module")
+
+
+def _alarms(fm, since: float) -> list:
+    """Suspicions and deaths since `since` (a false alarm is any of them)."""
+    return [e for e in fm.events.events if e.t >= since and
+            (e.kind == "detected" or (e.kind == "transition" and e.to_state in ("SUSPECT", "DEAD")))]
+
+
+async def _tokens(log_holder: dict, rid: str, n: int, timeout: float) -> None:
+    """Waits (bounded) until request `rid` has committed n tokens (set by its on_progress callback)."""
+    ev = log_holder.setdefault(f"{rid}>={n}", asyncio.Event())
+    await asyncio.wait_for(ev.wait(), timeout)
+
+
+def _progress_cb(holder: dict, rid: str):
+    def cb(log, seg) -> None:
+        for key, ev in list(holder.items()):
+            name, _, n = key.partition(">=")
+            if name == rid and log.committed >= int(n):
+                ev.set()
+    return cb
+
+
+@pytestmark_fleet
+async def test_a_long_prefill_holding_a_busy_engine_raises_no_hang_alarm(fleet):
+    fm = fleet
+    gen = ResumableGenerator(_Pinned(fm, "engine-0"), fm.cfg.recovery, fm.events)
+    holder: dict = {}
+    _tokens_wait = asyncio.ensure_future(_tokens(holder, "bg", 30, 30))
+    t0 = time.time()
+    bg = asyncio.create_task(gen.generate("bg", PROMPT, {"max_new_tokens": 160, "temperature": 0.0,
+                                                         "ignore_eos": True}, on_progress=_progress_cb(holder, "bg")))
+    await _tokens_wait  # warm: engine-0 has streamed more than progress.min_gaps gaps
+    assert fm.monitor.progress.threshold("engine-0") is not None, "the progress check is armed"
+    long_prompt = [(i * 7) % 400 + 20 for i in range(2000)]
+    t_long = time.monotonic()
+    log_long, _ = await gen.generate("long", long_prompt, {"max_new_tokens": 4, "temperature": 0.0,
+                                                           "ignore_eos": True})
+    held = time.monotonic() - t_long
+    log_bg, _ = await asyncio.wait_for(bg, 60)
+    assert held > 2.5, f"the chaos prefill held the engine only {held:.2f} s"
+    assert _alarms(fm, t0) == [], [(e.kind, e.subject, e.reason) for e in _alarms(fm, t0)]
+    assert [g.engine for g in log_bg.segments] == ["engine-0"] and log_bg.committed == 160
+    assert [g.engine for g in log_long.segments] == ["engine-0"] and log_long.committed == 4
+
+
+@pytestmark_fleet
+async def test_a_paused_fleet_with_requests_held_in_flight_raises_no_hang_alarm(fleet):
+    fm = fleet
+    gen = ResumableGenerator(_Pinned(fm, "engine-1"), fm.cfg.recovery, fm.events)
+    holder: dict = {}
+    warm = asyncio.ensure_future(_tokens(holder, "p", 30, 30))
+    t0 = time.time()
+    req = asyncio.create_task(gen.generate("p", PROMPT, {"max_new_tokens": 120, "temperature": 0.0,
+                                                          "ignore_eos": True}, on_progress=_progress_cb(holder, "p")))
+    await warm
+    assert fm.monitor.progress.threshold("engine-1") is not None
+    await fm.pause()  # the trainer's phase change, then it holds the engine's scheduler
+    url = fm.slots["engine-1"].info.url
+    async with httpx.AsyncClient() as c:
+        assert (await c.post(f"{url}/pause_generation", timeout=10)).status_code == 200
+        probes = fm.monitor.probes_sent
+        # The engine is silent with a request in flight for well past floor + confirmation (1.8 s): nothing
+        # may happen. An alarm would be an event: wait for one, bounded.
+        with pytest.raises(asyncio.TimeoutError):
+            await fm.events.wait_for(lambda e: e.kind == "transition" and e.subject == "engine-1", 4.0, since=t0)
+        assert fm.monitor.probes_sent == probes, "/health_generate sent while paused"
+        assert (await c.post(f"{url}/continue_generation", timeout=10)).status_code == 200
+    await fm.resume()
+    log, _ = await asyncio.wait_for(req, 60)
+    assert _alarms(fm, t0) == [], [(e.kind, e.subject, e.reason) for e in _alarms(fm, t0)]
+    assert [g.engine for g in log.segments] == ["engine-1"] and log.committed == 120
+
+
+@pytestmark_fleet
+async def test_sigstop_under_streaming_load_is_found_by_progress_long_before_any_probe_and_resumed_elsewhere(fleet):
+    fm = fleet
+    sp = {"max_new_tokens": 120, "temperature": 0.0, "ignore_eos": True}
+    async with httpx.AsyncClient() as c:
+        golden = (await generate(c, fm.slots["engine-1"].info.url, {"input_ids": PROMPT, "sampling_params": sp},
+                                 60))["output_ids"]
+    holder: dict = {}
+    gens = {e: ResumableGenerator(_Pinned(fm, e), fm.cfg.recovery, fm.events) for e in ("engine-0", "engine-1")}
+    rids = [f"{e}-{k}" for e in gens for k in range(2)]
+    warm = [asyncio.ensure_future(_tokens(holder, rid, 30, 30)) for rid in rids]
+    reqs = {rid: asyncio.create_task(gens[rid.rsplit("-", 1)[0]].generate(rid, PROMPT, sp,
+                                                                           on_progress=_progress_cb(holder, rid)))
+            for rid in rids}
+    await asyncio.gather(*warm)
+    victim = fm.slots["engine-0"].info
+    t0 = time.time()
+    for pid in (victim.actor_pid, victim.pid):
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        det = await fm.events.wait_for(lambda e: e.kind == "detected" and e.subject == "engine-0", 20, since=t0)
+        assert det.figures["signal"] == "progress_hung" and det.reason.startswith("progress:"), det.reason
+        # Probes every 30 s with a 30 s timeout could not have said anything yet.
+        assert det.t - t0 < 4.0, f"detected after {det.t - t0:.2f} s"
+        suspect = [e for e in fm.events.events if e.t >= t0 and e.kind == "transition" and e.subject == "engine-0"]
+        assert [(e.to_state, e.figures["signal"]) for e in suspect[:2]] == [("SUSPECT", "progress_stalled"),
+                                                                            ("DEAD", "progress_hung")]
+        await fm.events.wait_for(lambda e: e.kind == "killed" and e.subject == "engine-0", 10, since=t0)  # fenced
+        logs = {rid: (await asyncio.wait_for(t, 60))[0] for rid, t in reqs.items()}
+    finally:
+        for pid in (victim.actor_pid, victim.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for rid, log in logs.items():
+        assert log.output_ids == golden, rid
+        if rid.startswith("engine-0"):
+            assert [g.engine for g in log.segments] == ["engine-0", "engine-1"] and log.segments[0].end > 0
+        else:
+            assert [g.engine for g in log.segments] == ["engine-1"]
+    assert not [e for e in _alarms(fm, t0) if e.subject == "engine-1"], "the healthy engine was suspected"
