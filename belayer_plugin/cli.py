@@ -61,6 +61,41 @@ def _cmd_soak(args: argparse.Namespace) -> int:
     return soak_main(args.rest)
 
 
+def _cmd_fleet(args: argparse.Namespace) -> int:
+    """Talks to a running fleet's control server (FleetManager.serve_control)."""
+    import json
+    import os
+
+    import httpx
+
+    url = args.control or os.environ.get("BELAYER_CONTROL_URL", "")
+    if not url:
+        print("belayer fleet: no control server: pass --control URL or set BELAYER_CONTROL_URL", file=sys.stderr)
+        return 2
+    calls = {"status": ("GET", "/fleet", None),
+             "drain": ("POST", "/drain", lambda: {"engine": args.engine}),
+             "scale-in": ("POST", "/scale_in", lambda: {"n": args.n}),
+             "scale-out": ("POST", "/scale_out", lambda: {"n": args.n}),
+             "upgrade": ("POST", "/rolling_upgrade", lambda: {"weights_path": args.weights_path,
+                                                              "version": args.version})}
+    method, path, body = calls[args.fleet_cmd]
+    try:
+        r = httpx.request(method, url.rstrip("/") + path, json=body() if body else None, timeout=args.timeout)
+    except httpx.HTTPError as e:
+        print(f"belayer fleet: {url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    try:
+        out = r.json()
+    except ValueError:
+        out = {"ok": False, "error": {"message": r.text[:500], "code": r.status_code}}
+    if r.status_code != 200:
+        print(f"belayer fleet {args.fleet_cmd}: HTTP {r.status_code}: {out.get('error', {}).get('message', out)}",
+              file=sys.stderr)
+        return 1
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `belayer` console command."""
     p = argparse.ArgumentParser(prog="belayer", description="Fault tolerance for agentic LLM RL training.")
@@ -97,6 +132,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      "--duration SECONDS] (writes soak.json and soak.png)", add_help=False)
     so.add_argument("rest", nargs=argparse.REMAINDER)
     so.set_defaults(fn=_cmd_soak)
+
+    f = sub.add_parser("fleet", help="a running fleet's control server: status, drain ENGINE, scale-in N, "
+                                     "scale-out N, upgrade WEIGHTS VERSION")
+    f.add_argument("--control", default="", help="the control server's URL (default: $BELAYER_CONTROL_URL)")
+    f.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the fleet's answer")
+    fsub = f.add_subparsers(dest="fleet_cmd", required=True)
+    fsub.add_parser("status", help="engines, states, weight versions, requests in flight")
+    fd = fsub.add_parser("drain", help="move ENGINE's requests to the others (token level), then stop it")
+    fd.add_argument("engine")
+    for name, what in (("scale-in", "drain and remove N engines"), ("scale-out", "add N engines (standbys first)")):
+        fs = fsub.add_parser(name, help=what)
+        fs.add_argument("n", type=int)
+    fu = fsub.add_parser("upgrade", help="rolling weight upgrade, one engine at a time")
+    fu.add_argument("weights_path")
+    fu.add_argument("version")
+    f.set_defaults(fn=_cmd_fleet)
 
     rest = sys.argv[1:] if argv is None else list(argv)
     if rest[:1] == ["soak"]:  # its own parser, options and --help included

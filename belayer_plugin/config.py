@@ -82,13 +82,14 @@ class EnginesConfig:
     num_cpus_per_engine: float = _req()  # Ray resources an engine actor claims
     num_gpus_per_engine: float = _req()
     flush_cache_timeout_s: float = _req()  # a KV-cache flush is retried this long while requests drain
+    drain_timeout_s: float = _req()  # a planned drain waits this long for the engine's requests to move
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def problems(self) -> list[str]:
         out = []
         if self.num_engines < 1:
             out.append("num_engines: must be >= 1")
-        for name in ("startup_timeout_s", "shutdown_timeout_s", "flush_cache_timeout_s"):
+        for name in ("startup_timeout_s", "shutdown_timeout_s", "flush_cache_timeout_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 out.append(f"{name}: must be > 0")
         if self.torch_threads < 1:

@@ -124,6 +124,11 @@ class FleetSelector:
         if mon is not None and hasattr(mon, "tokens_seen"):
             mon.tokens_seen(target.engine, target.incarnation, rid)
 
+    def draining(self, target: Target) -> bool:
+        """Whether the target's engine is being drained on purpose (a cut there is a move, not a failure)."""
+        is_draining = getattr(self.fleet, "is_draining", None)
+        return bool(is_draining and is_draining(target.engine, target.url))
+
     def poisoned(self, rid: str, targets: list[Target], reason: str) -> None:
         self.fleet.absolve(rid, [(t.engine, t.incarnation) for t in targets], reason)
 
@@ -240,6 +245,19 @@ class ResumableGenerator:
                     return
             except GenerateError as e:
                 seg.outcome, seg.t_end = f"failed: {e.reason[:200]}", time.time()
+                draining = getattr(self.selector, "draining", None)
+                if e.retriable and draining is not None and draining(target):
+                    # A planned drain cut it at its committed position: it moves on, as from a planned death
+                    # (no fault reported, no attempt spent, no poison evidence).
+                    seg.outcome = f"drained: {e.reason[:200]}"
+                    exclude = {target.url}
+                    if refusals and log.committed > 0:
+                        self.events.emit("recovery", log.rid, "resume_refused", "; ".join(refusals),
+                                         level="warning", committed=log.committed, failed_engine=target.engine)
+                        log.restart()
+                    self.events.emit("recovery", log.rid, "resumed", f"from token {log.committed} (drained)",
+                                     committed=log.committed, failed_engine=target.engine, drained=True)
+                    continue
                 if not e.retriable:
                     raise RequestFailedError(log.rid, f"rejected by {target.url}: {e.reason}", log,
                                              status=e.status or 400) from e
