@@ -3,7 +3,10 @@
 Every detector watches the SAME engines at the same time, so each fault is timed by all of them at once:
 
 - belayer: Belayer's monitor with recipes/belayer/default.yaml's knobs (Ray liveness of every engine actor,
-  parallel readiness probes while serving), through FleetManager, which also repairs the engine.
+  parallel readiness probes while serving, and hang detection from the tokens it streams: an engine silent
+  past its own adaptive threshold is probed at once, `monitor.progress`), through FleetManager, which also
+  repairs the engine. The load goes through Belayer's token-level client (ResumableGenerator over the
+  fleet), as a trainer's requests do with Belayer on; that is where the token progress comes from.
 - nemo_rl: NeMo-RL's merged fleet health (nemo_rl/models/generation/fleet_health.py and
   algorithms/single_controller.py): every 5 s, all serving shards probed concurrently through the worker
   actor (`is_alive`, here the engine actor's `ping`), 2 s timeout, DEAD after 3 consecutive failures.
@@ -14,12 +17,15 @@ Every detector watches the SAME engines at the same time, so each fault is timed
 
 Faults: `sigkill` SIGKILLs the engine's actor process (the engine dies with it, as a vLLM/SGLang worker
 does); `hang` SIGSTOPs the engine's actor and server (a wedged engine: the process exists, answers nothing).
-Load: streaming greedy requests kept in flight on every engine throughout.
+Load: streaming greedy requests kept in flight on every engine throughout (two per engine).
 
 Last line: RESULT ratio=.. hang_ratio=.. belayer_kill_s=.. nemo_rl_kill_s=.. slime_kill_s=.. router_kill_s=..
   belayer_hang_s=.. nemo_rl_hang_s=.. slime_hang_s=.. router_hang_s=.. trials=..
-  ratio: NeMo-RL's median SIGKILL detection / Belayer's; hang_ratio: the same for the hang (medians).
-Usage: python bench/detection.py [--quick] [--trials N] [--no-router]
+  ratio: NeMo-RL's median SIGKILL detection / Belayer's; hang_ratio: the same for the hang (medians);
+  belayer_hang_p50_s: Belayer's median hang detection; hang_by: the signals that found the hangs;
+  false_alarms: progress suspicions of a healthy engine, over a fault-free load of calm_s seconds first and
+  on the engines not faulted during the trials.
+Usage: python bench/detection.py [--quick] [--trials N] [--no-router] [--calm-s S]
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from belayer_plugin.engines.launch import free_port  # noqa: E402
 from belayer_plugin.events import EventLog  # noqa: E402
 from belayer_plugin.fleet.launch import resolve_model_path  # noqa: E402
 from belayer_plugin.fleet.manager import FleetManager  # noqa: E402
+from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator  # noqa: E402
 from belayer_plugin.ray_cluster import init_ray  # noqa: E402
 
 NEMO_RL = dict(interval=5.0, timeout=2.0, threshold=3)
@@ -148,30 +155,24 @@ class RouterWatch:
             pass
 
 
-async def load(fm: FleetManager, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
-    """Keeps two streaming greedy requests in flight on every serving engine."""
+async def load(fm: FleetManager, gen: ResumableGenerator, stop: asyncio.Event) -> None:
+    """Keeps two streaming greedy requests in flight per engine, through Belayer's token-level client."""
     async def one(k: int) -> None:
+        i = 0
         while not stop.is_set():
-            slots = fm.serving_slots()
-            if not slots:
-                await asyncio.sleep(0.2)
-                continue
-            url = slots[k % len(slots)].info.url
-            body = {"input_ids": list(range(3, 40)), "stream": True,
-                    "sampling_params": {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True}}
+            i += 1
             try:
-                async with client.stream("POST", f"{url}/generate", json=body, timeout=30) as r:
-                    async for _ in r.aiter_lines():
-                        if stop.is_set():
-                            return
-            except httpx.HTTPError:
-                await asyncio.sleep(0.2)  # the engine is gone or hung: try the fleet again shortly
+                await gen.generate(f"load-{k}-{i}", list(range(3, 40)),
+                                   {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True})
+            except Exception:  # e.g. no healthy engine for a moment: try again shortly
+                await asyncio.sleep(0.2)
 
     await asyncio.gather(*(one(k) for k in range(2 * len(fm.slots))))
 
 
 async def trial(fm: FleetManager, kind: str, sid: str, client: httpx.AsyncClient, router: Optional[RouterWatch],
-                wait_s: float) -> dict[str, Optional[float]]:
+                wait_s: float, signals: list[str], false_alarms: list) -> dict[str, Optional[float]]:
+    t_start = time.time()
     slot = fm.slots[sid]
     actors = {s: sl.actor for s, sl in fm.slots.items() if sl.health.serving}
     urls = {s: sl.info.url for s, sl in fm.slots.items() if sl.health.serving}
@@ -196,6 +197,8 @@ async def trial(fm: FleetManager, kind: str, sid: str, client: httpx.AsyncClient
     for t in tasks:
         t.cancel()
     out = {"belayer": det.t - t0}
+    print(f"    belayer: {det.figures.get('signal')}: {det.reason[:160]}", flush=True)
+    signals.append(str(det.figures.get("signal")))
     out.update({k: (d[sid] - t0 if sid in d else None) for k, d in arms.items()})
     if kind == "hang":
         for p in pids:
@@ -204,7 +207,14 @@ async def trial(fm: FleetManager, kind: str, sid: str, client: httpx.AsyncClient
             except ProcessLookupError:
                 pass
     await fm.wait_all_healthy(300)
+    false_alarms.extend(e for e in _progress_alarms(fm, t_start) if e.subject != sid)
     return out
+
+
+def _progress_alarms(fm: FleetManager, since: float) -> list:
+    """Suspicions raised by token progress since `since` (transitions with a progress signal)."""
+    return [e for e in fm.events.events if e.t >= since and e.kind == "transition"
+            and str(e.figures.get("signal", "")).startswith("progress_") and e.to_state in ("SUSPECT", "DEAD")]
 
 
 def fmt(x: Optional[float]) -> str:
@@ -226,19 +236,30 @@ async def main_async(args: argparse.Namespace) -> None:
     if router is not None:
         await router.ready(client)
     stop = asyncio.Event()
-    loader = asyncio.create_task(load(fm, client, stop))
+    gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, fm.events, client=client)
+    loader = asyncio.create_task(load(fm, gen, stop))
     m = cfg.monitor
     wait_s = 240.0 if router is not None else 60.0
     print(f"{cfg.engines.num_engines} CPU engines under load; Belayer: probe_interval_s={m.probe_interval_s} "
-          f"probe_timeout_s={m.probe_timeout_s} failure_threshold={m.failure_threshold} + Ray liveness; NeMo-RL "
+          f"probe_timeout_s={m.probe_timeout_s} failure_threshold={m.failure_threshold} + Ray liveness + token "
+          f"progress (floor_s={m.progress.floor_s} gap_multiplier={m.progress.gap_multiplier} "
+          f"confirm_timeout_s={m.progress.confirm_timeout_s}, enabled={m.progress.enabled}); NeMo-RL "
           f"fleet health {NEMO_RL}; slime {SLIME}; sglang-router 0.3.2 defaults {ROUTER if router else '(skipped)'}; "
           f"{args.trials} trial(s) per fault; a detector silent for {wait_s:.0f} s reads 'never'")
     res: dict[str, dict[str, list[Optional[float]]]] = {}
+    by: dict[str, list[str]] = {"sigkill": [], "hang": []}
+    false_alarms: list = []
+    if args.calm_s > 0:  # fault-free load first: every progress suspicion here is a false alarm
+        t_calm = time.time()
+        await asyncio.sleep(args.calm_s)  # the measurement window itself
+        false_alarms.extend(_progress_alarms(fm, t_calm))
+        print(f"  calm load {args.calm_s:.0f} s: {len(false_alarms)} progress suspicion(s)", flush=True)
     try:
         for kind in ("sigkill", "hang"):
             res[kind] = {}
             for i in range(args.trials):
-                r = await trial(fm, kind, f"engine-{i % cfg.engines.num_engines}", client, router, wait_s)
+                r = await trial(fm, kind, f"engine-{i % cfg.engines.num_engines}", client, router, wait_s, by[kind],
+                                false_alarms)
                 for k, v in r.items():
                     res[kind].setdefault(k, []).append(v)
                 print(f"  {kind:7s} trial {i}: " + "  ".join(f"{k} {fmt(v)} s" for k, v in r.items()), flush=True)
@@ -268,8 +289,11 @@ async def main_async(args: argparse.Namespace) -> None:
             figures.append(f"{k}_{tag}_s={v:.3f}" if v is not None else f"{k}_{tag}_s=never")
         b, n = meds["belayer"], meds["nemo_rl"]
         ratios[kind] = (n / b) if (b and n) else float("nan")
-    print(f"RESULT ratio={ratios['sigkill']:.1f} hang_ratio={ratios['hang']:.2f} " + " ".join(figures)
-          + f" trials={args.trials}")
+    hb = med(res["hang"]["belayer"])
+    hang_by = ",".join(sorted(set(by["hang"]))) or "-"
+    print(f"RESULT ratio={ratios['sigkill']:.1f} hang_ratio={ratios['hang']:.2f} "
+          f"belayer_hang_p50_s={'never' if hb is None else f'{hb:.3f}'} hang_by={hang_by} "
+          f"false_alarms={len(false_alarms)} calm_s={args.calm_s:.0f} " + " ".join(figures) + f" trials={args.trials}")
 
 
 def main() -> None:
@@ -277,7 +301,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one trial per fault")
     ap.add_argument("--trials", type=int, default=0, help="trials per fault (default 5)")
     ap.add_argument("--no-router", action="store_true", help="skip the sglang-router arm (~3 min per trial)")
+    ap.add_argument("--calm-s", type=float, default=-1,
+                    help="fault-free load before the trials, counting false hang alarms (default 300; --quick 30)")
     args = ap.parse_args()
+    if args.calm_s < 0:
+        args.calm_s = 30.0 if args.quick else 300.0
     args.trials = args.trials or (1 if args.quick else 5)
     asyncio.run(main_async(args))
 
