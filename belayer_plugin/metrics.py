@@ -49,6 +49,11 @@ class FleetMetrics:
         return server.server_port
 
 
+STEP_METRICS = ("engine_deaths_detected", "handovers", "cold_restarts", "engines_retired", "requests_resumed",
+                "tokens_saved", "requests_failed", "env_restores", "env_rollback_actions", "checkpoints",
+                "checkpoints_unchanged", "checkpoint_s", "detection_s_max", "handover_s_max", "chaos_faults")
+
+
 class StepMetrics:
     """Recovery counters and timings accumulated from events between two `take()` calls, flat and named
     for a trainer's logger (wandb / tensorboard / mlflow through verl's and NeMo-RL's own tracking).
@@ -57,11 +62,11 @@ class StepMetrics:
     cold_restarts, engines_retired, requests_resumed, tokens_saved (tokens kept by token-level resume,
     not regenerated), requests_failed, env_restores, env_rollback_actions, checkpoints,
     checkpoints_unchanged (skipped: no side effect), checkpoint_s (time checkpoints ran), chaos_faults.
+    Every value is a delta since the previous `take()` (`*_max`: the largest since then), so a step without
+    a fault reports zeros.
     """
 
-    _ZERO = ("engine_deaths_detected", "handovers", "cold_restarts", "engines_retired", "requests_resumed",
-             "tokens_saved", "requests_failed", "env_restores", "env_rollback_actions", "checkpoints",
-             "checkpoints_unchanged", "checkpoint_s", "detection_s_max", "handover_s_max", "chaos_faults")
+    _ZERO = STEP_METRICS
 
     def __init__(self, prefix: str = "belayer/"):
         import threading
@@ -85,7 +90,7 @@ class StepMetrics:
             elif kind == "handover" and comp == "shadow":
                 a["handovers"] += 1
                 a["handover_s_max"] = max(a["handover_s_max"], float(fig.get("took_s") or 0.0))
-            elif kind == "restarted" and comp == "restart":
+            elif kind == "restarted" and comp in ("restart", "verl"):  # fleet slot, or a verl replica
                 a["cold_restarts"] += 1
             elif kind == "transition" and get("to_state") == "RETIRED":
                 a["engines_retired"] += 1
@@ -104,6 +109,17 @@ class StepMetrics:
                 a["checkpoints_unchanged"] += 1
             elif kind == "inject" and comp == "chaos":
                 a["chaos_faults"] += 1
+
+    def add(self, counts: dict[str, float]) -> None:
+        """Merges counts taken elsewhere (another process's `take()`, with or without the prefix): sums, and
+        the larger value for `*_max`; unknown names are refused."""
+        with self._lock:
+            for k, v in counts.items():
+                name = k[len(self.prefix):] if k.startswith(self.prefix) else k
+                if name not in self._acc:
+                    raise KeyError(f"unknown step metric {k!r} (known: {', '.join(self._ZERO)})")
+                a = self._acc
+                a[name] = max(a[name], float(v)) if name.endswith("_max") else a[name] + float(v)
 
     def take(self) -> dict[str, float]:
         """The counters since the last call (then reset), keyed `<prefix><name>`."""
