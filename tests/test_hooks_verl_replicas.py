@@ -222,12 +222,29 @@ def test_recipe_switches_belayer_on_in_verls_agent_loop_and_fills_verl_fields(ru
     # both server contracts served this batch (replica 0: vLLM's, replica 1: SGLang's)
     assert served_by(golden) == {r.server_address for r in run.ckpt.replicas}
     assert ray.get(run.lb.get_status.remote())["use_fault_tolerance"]
+    # a step without a fault: every Belayer metric is in verl's logged metrics, all zero
+    from belayer_plugin.metrics import STEP_METRICS
+
+    assert set(_logged(golden)) == set(STEP_METRICS) and set(_logged(golden).values()) == {0.0}
     # the next step on the same weights gives the same batch, now at global steps 2
     again = run.generate()
     for k in KEYS:
         assert torch.equal(again.batch[k], golden.batch[k]), k
     assert set(again.non_tensor_batch["min_global_steps"]) == {2}
     run.finish_step()
+
+
+def _logged(out) -> dict:
+    """Belayer's metrics of a step as verl's legacy trainer hands them to its Tracking logger: ray_trainer.fit
+    does `timing_raw.update(gen_output.meta_info["timing"])` after generate_sequences (ray_trainer.py line 1518),
+    then `metrics.update(compute_timing_metrics(batch=batch, timing_raw=timing_raw))` (line 1783) and
+    `logger.log(data=metrics, step=...)` (line 1802). verl's own compute_timing_metrics runs here."""
+    from verl.trainer.ppo.metric_utils import compute_timing_metrics
+
+    timing_raw = {"gen": 1.0}
+    timing_raw.update(out.meta_info["timing"])
+    logged = compute_timing_metrics(batch=out, timing_raw=timing_raw)
+    return {k[len("timing_s/belayer/"):]: v for k, v in logged.items() if k.startswith("timing_s/belayer/")}
 
 
 def _at_step(golden, step: int):
@@ -269,6 +286,11 @@ def test_replica_server_sigkilled_mid_rollout_batch_identical_then_recovered_bef
     assert resumed and all(x % CHUNK == 0 for x in resumed) and max(resumed) >= CHUNK, resumed
     assert old not in ray.get(run.lb.get_all_servers.remote())
     run.finish_step()  # the dead replica is removed before sleep, restarted, synced, admitted
+    # this step's metrics as verl logs them: one death, each resume and the committed tokens it kept
+    m = _logged(out)
+    starts = [x for s in out.non_tensor_batch["belayer"] for x in s["resumed_from"]]
+    assert m["engine_deaths_detected"] == 1 and m["cold_restarts"] == 0, m
+    assert m["requests_resumed"] == len(starts) and m["tokens_saved"] == sum(starts) > 0, m
     ev = run.recovery.events
     assert any(e.kind == "restarted" and e.t >= since for e in ev.events)
     _full(run)
@@ -276,6 +298,9 @@ def test_replica_server_sigkilled_mid_rollout_batch_identical_then_recovered_bef
     nxt = run.generate()
     _same_but_step(nxt, golden, run.step)
     assert victim.server_address in served_by(nxt), "the restarted replica did not serve the next step"
+    # the next step: the restart done between the steps, and no death or resume counted twice (deltas)
+    m = _logged(nxt)
+    assert m["cold_restarts"] == 1 and m["engine_deaths_detected"] == 0 and m["requests_resumed"] == 0, m
     run.finish_step()
 
 

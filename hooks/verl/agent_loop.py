@@ -25,6 +25,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 
 from belayer_plugin.config import BelayerConfig, cache_dir
 from belayer_plugin.hooks._config import belayer_section
+from belayer_plugin.metrics import StepMetrics
 from belayer_plugin.sandbox.base import Sandbox, SandboxError, SandboxSpec
 from belayer_plugin.sandbox.checkpoint import CheckpointStore
 from belayer_plugin.sandbox.policy import CheckpointPolicy
@@ -75,11 +76,12 @@ class SandboxAgentLoop(AgentLoopBase):
         tid = f"traj-{uuid.uuid4().hex[:10]}"
         prompt_ids = await self.ct_build_initial_tokens(messages)
         sb, store, setup = await self._blocking(self.sandbox_provider, tid, self.belayer)
+        counts = StepMetrics()  # this trajectory's restores and checkpoints, for the trainer's step metrics
         sc = self.belayer.sandbox
         rec = TrajectoryRecorder(tid, sb, store, checkpoint_mode=sc.checkpoint_mode,
                                  checkpoint_timeout_s=sc.checkpoint_timeout_s, restore_timeout_s=sc.restore_timeout_s,
                                  restore_retries=sc.restore_retries, deterministic=sc.replay_deterministic,
-                                 replay=sc.replay_deterministic, setup=setup)
+                                 replay=sc.replay_deterministic, setup=setup, on_event=counts.on_event)
         policy = CheckpointPolicy.from_config(sc.policy, rec.checkpoint, subject=tid)
         ids, mask = list(prompt_ids), []
         masks: dict[int, list[int]] = {0: []}  # the response mask at each committed boundary
@@ -125,6 +127,9 @@ class SandboxAgentLoop(AgentLoopBase):
                 rec.sandbox.close()
             except SandboxError:
                 pass
+            report = getattr(self.server_manager, "report_metrics", None)  # BelayerLLMServerClient's
+            if report is not None and self.belayer.use_fault_tolerance:
+                await report(counts.take())
         n = self.response_length
         return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=ids[len(prompt_ids):][:n], response_mask=mask[:n],
                                num_turns=turns + 1, metrics={},

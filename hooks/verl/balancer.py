@@ -11,6 +11,9 @@ own (sticky by request id, then least in-flight); Belayer adds membership:
   engines.startup_timeout_s), so a half-started or dead replacement never gets traffic. The Belayer fleet bridge (`attach_fleet`) calls it for restarted engines.
 - `acquire_server(..., exclude=, wait_s=)` lets a resuming request skip the server that failed it and wait
   (bounded) for a replacement when the pool is empty.
+- step metrics: every eviction of an admitted server counts one `engine_deaths_detected`, and the clients in
+  verl's agent loop workers add their requests' recovery counts (`add_step_metrics`); Belayer's agent loop
+  manager takes them once per step (`take_step_metrics`, see hooks/verl/step_metrics.py).
 - `rollout.full_determinism` (verl does not pass it to router plugins: Belayer's agent loop manager calls
   `set_full_determinism`, or the router YAML sets `full_determinism: true`): a new request goes to the server
   its request id hashes to (a hash that is the same in every process and run, unlike Python's `hash`), whatever
@@ -34,6 +37,7 @@ NO_SERVERS = "No available servers in load balancer"  # verl's own message (its 
 class BelayerLoadBalancer:
     def __init__(self, servers: dict[str, Any], config: Optional[dict] = None):
         from belayer_plugin.hooks._config import belayer_section
+        from belayer_plugin.metrics import StepMetrics
 
         config = dict(config or {})
         self.cfg = belayer_section(config.get("belayer"))
@@ -46,6 +50,7 @@ class BelayerLoadBalancer:
         self._evicted: dict[str, str] = {}  # server id -> why
         self._rejected: dict[str, str] = {}  # server id -> why it was not admitted
         self._changed: Optional[asyncio.Condition] = None
+        self._step_metrics = StepMetrics()  # since the last take_step_metrics (one process collects them all)
 
     def _cond(self) -> asyncio.Condition:
         if self._changed is None:
@@ -162,10 +167,19 @@ class BelayerLoadBalancer:
         return True
 
     def evict(self, server_id: str, reason: str) -> None:
-        if server_id in self._inflight:
+        if server_id in self._inflight:  # counted once per server, whoever reports it first
             log.warning("evicting %s: %s", server_id, reason)
+            self._step_metrics.add({"engine_deaths_detected": 1})
         self._evicted[server_id] = reason[:300]
         self.remove_servers([server_id])
+
+    def add_step_metrics(self, counts: dict[str, float]) -> None:
+        """Recovery counts from a client or agent loop in another process (StepMetrics names)."""
+        self._step_metrics.add(counts)
+
+    def take_step_metrics(self) -> dict[str, float]:
+        """The counts since the last call (then reset), keyed `belayer/<name>`."""
+        return self._step_metrics.take()
 
     async def _ready(self, handle: Any, timeout: float) -> Optional[str]:
         """None if the actor answers Ray's readiness call in time, else why not (Ray liveness, no HTTP)."""

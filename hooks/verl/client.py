@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -40,9 +41,11 @@ from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
 from belayer_plugin.events import EventLog
-from belayer_plugin.generation.resumable import ResumableGenerator, Target
+from belayer_plugin.generation.resumable import RequestFailedError, ResumableGenerator, Target
 from belayer_plugin.generation.sglang_http import GenerateError
 from belayer_plugin.hooks._config import belayer_section
+
+_log = logging.getLogger("belayer.hooks.verl")
 
 _rid: contextvars.ContextVar[str] = contextvars.ContextVar("belayer_verl_rid", default="")
 
@@ -181,9 +184,15 @@ class BelayerLLMServerClient(LLMServerClient):
         try:
             log, _ = await self.generator.generate(f"{request_id}-{uuid.uuid4().hex[:8]}", list(prompt_ids), sp,
                                                    return_logprob=want_lp)
+        except RequestFailedError:
+            await self.report_metrics({"requests_failed": 1})
+            raise
         finally:
             _rid.reset(token)
             _served.reset(stoken)
+        resumed = log.summary()["resumed_from"]
+        if resumed:  # awaited, so the step's take (after the rollout returns) sees it
+            await self.report_metrics({"requests_resumed": len(resumed), "tokens_saved": sum(resumed)})
         fr = (log.finish_reason or {}).get("type")
         steps, lo, hi = served.steps()
         summary = {**log.summary(), "global_steps_spans": [list(s) for s in served.spans],
@@ -193,6 +202,18 @@ class BelayerLLMServerClient(LLMServerClient):
                            stop_reason="length" if fr == "length" else "completed", num_preempted=0,
                            extra_fields={"global_steps": steps, "min_global_steps": lo, "max_global_steps": hi,
                                          "num_cached_tokens": served.num_cached_tokens, "belayer": summary})
+
+    async def report_metrics(self, counts: dict[str, float]) -> None:
+        """Adds recovery counts (StepMetrics names) to this step's, held by Belayer's balancer actor (the
+        agent loop manager takes them per step); never fails the request it describes."""
+        try:
+            add = self._load_balancer.add_step_metrics
+        except AttributeError:
+            return  # not Belayer's balancer: no step metrics
+        try:
+            await add.remote(counts)
+        except Exception:  # noqa: BLE001
+            _log.warning("step metrics lost: %s", counts, exc_info=True)
 
     async def _transport(self, server_id: str, body: dict, timeout: float) -> dict:
         """One chunk on `server_id` through Ray; any failure of the server is a retriable GenerateError."""

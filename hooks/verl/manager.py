@@ -10,6 +10,9 @@ additions, and nothing else:
 - before each rollout, dead Belayer replicas of this trainer process are restarted, brought to the current
   weights and re-admitted (v1 has no checkpoint manager option; the legacy trainer also has
   `BelayerCheckpointEngineManager`).
+- per-step recovery metrics (`take_step_metrics`, names `belayer/...`) reach verl's own step metrics and its
+  Tracking logger: the legacy manager adds them to `generate_sequences`' `meta_info["timing"]`, the v1 trainer
+  reads them through `BelayerReplayBuffer` (hooks/verl/step_metrics.py says where verl picks them up).
 With `belayer.use_fault_tolerance=false` they hand verl's own client through untouched and do nothing else.
 
 - v1 trainer (`trainer.use_v1=true`, verl's default): `belayer_plugin.hooks.verl.manager.BelayerAgentLoopManager`
@@ -30,8 +33,16 @@ from belayer_plugin.config import BelayerConfig
 from belayer_plugin.hooks._config import belayer_section
 from belayer_plugin.hooks.verl.client import BelayerLLMServerClient
 from belayer_plugin.hooks.verl.recovery import ReplicaRecovery, set_current_recovery
+from belayer_plugin.metrics import StepMetrics
 
 log = logging.getLogger("belayer.hooks.verl")
+
+_current: Any = None  # this (trainer) process's manager, for BelayerReplayBuffer
+
+
+def current_manager() -> Any:
+    """The Belayer agent loop manager built last in this process (None before one is built)."""
+    return _current
 
 
 def belayer_client(llm_client: LLMServerClient, cfg: BelayerConfig) -> LLMServerClient:
@@ -63,6 +74,11 @@ class BelayerManagerMixin:
             for r in self.replicas:
                 r.belayer_owner = id(self)
         set_current_recovery(self.recovery)  # the legacy trainer's BelayerCheckpointEngineManager uses it
+        self.step_metrics = StepMetrics()  # this process's share; the balancer holds the workers' share
+        if self.recovery is not None:
+            self.recovery.events.subscribe(self.step_metrics.on_event)
+        global _current
+        _current = self
 
     @classmethod
     @auto_await
@@ -79,6 +95,32 @@ class BelayerManagerMixin:
             return
         await lb.set_full_determinism.remote(bool(self.rollout_config.get("full_determinism", False)))
 
+    @auto_await
+    async def take_step_metrics(self) -> dict[str, float]:
+        """Belayer's recovery metrics since the previous call, `belayer/<name>` (deltas; {} with fault
+        tolerance off): this process's replica restarts and retirements, plus the balancer's deaths and the
+        workers' resumed requests, saved tokens, failed requests, env restores and checkpoints."""
+        if not self.belayer.use_fault_tolerance:
+            return {}
+        lb = getattr(self.llm_client, "_load_balancer", None)
+        try:
+            take = lb.take_step_metrics
+        except AttributeError:
+            take = None  # not Belayer's balancer: this process's counts only
+        if take is not None:
+            self.step_metrics.add(await take.remote())
+        return self.step_metrics.take()
+
+    def check_replay_buffer_supported(self) -> None:
+        """BelayerReplayBuffer replaces verl's only where nothing of verl's is lost (raises otherwise)."""
+        fg = (self.config.get("algorithm") or {}).get("filter_groups")
+        if fg is not None and fg.get("enable", False):
+            raise ValueError(
+                "algorithm.filter_groups.enable=true: verl hands a custom sampler none of its DAPO settings, so "
+                "trainer.v1.sampler.custom_sampler=BelayerReplayBuffer would turn group filtering off. Remove "
+                "trainer.v1.sampler.custom_sampler from the recipe (Belayer's step metrics then stay out of "
+                "verl's logger) or turn filter_groups off")
+
     async def heal_replicas(self) -> int:
         """Restarts dead Belayer replicas of this process and admits them at the current weights."""
         if self.recovery is None or not self.replicas:
@@ -92,7 +134,13 @@ class BelayerLegacyAgentLoopManager(BelayerManagerMixin, AgentLoopManager):
     @auto_await
     async def generate_sequences(self, prompts: Any) -> Any:
         await self.heal_replicas()
-        return await super().generate_sequences(prompts)
+        out = await super().generate_sequences(prompts)
+        # verl's ray_trainer.fit merges meta_info["timing"] into the step's metrics as timing_s/<key> and logs
+        # them with its Tracking logger (see hooks/verl/step_metrics.py). Validation rollouts (meta_info
+        # "validate", ray_trainer._validate) do not log it: their counts stay for the next training step.
+        if not (prompts.meta_info or {}).get("validate", False):
+            out.meta_info.setdefault("timing", {}).update(await self.take_step_metrics())
+        return out
 
 
 def _v1_class() -> type:

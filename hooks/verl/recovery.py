@@ -102,7 +102,12 @@ class ReplicaRecovery:
         self._transition(h, Signal.LIVENESS_LOST, why)
         old = replica.server_address
         if self.balancer is not None and old:
-            await self.balancer.remove_servers.remote([old])
+            try:  # Belayer's balancer counts the death (once, if a client already had it evicted)
+                evict = self.balancer.evict
+            except AttributeError:
+                await self.balancer.remove_servers.remote([old])
+            else:
+                await evict.remote(old, why)
         self.events.emit("verl", key, "evicted", why, level="warning", url=old)
         while True:
             d = self.policy.decide(key, self.clock())

@@ -1,0 +1,60 @@
+"""Belayer's per-step recovery metrics in verl 0.9.1's own step metrics, logged by verl's `Tracking` logger
+(wandb / tensorboard / mlflow / console ...), with no trainer code.
+
+Where the counts come from: Belayer's balancer actor counts evictions of admitted servers (deaths) and
+collects what the clients in verl's AgentLoopWorker actors report (requests resumed, tokens saved, requests
+failed) and what `belayer_sandbox_agent` reports (env restores, checkpoints and their time); the agent loop
+manager's `ReplicaRecovery` events (trainer process) give replica restarts and retirements.
+`BelayerManagerMixin.take_step_metrics()` merges both and resets them: every value is the delta since the
+previous take (see belayer_plugin/metrics.StepMetrics), zeros for a step without a fault.
+
+How verl picks them up (verl 0.9.1, read from its source):
+- legacy trainer (`trainer.use_v1=false`, verl/trainer/ppo/ray_trainer.py): `fit()` does
+  `timing_raw.update(combined_gen_output.meta_info["timing"])` after `async_rollout_manager.generate_sequences`
+  (line 1518), then `metrics.update(compute_timing_metrics(batch=batch, timing_raw=timing_raw))` (line 1783;
+  verl/trainer/ppo/metric_utils.py line 645 names every entry `timing_s/<key>`) and
+  `logger.log(data=metrics, step=self.global_steps)` (line 1802). Belayer's legacy manager puts the take into
+  that `meta_info["timing"]`, so the logger gets `timing_s/belayer/<name>` (as verl's own
+  `timing_s/agent_loop/num_preempted/max`).
+- v1 trainer (verl/trainer/ppo/v1/trainer_base.py): `_step_once` does
+  `batch, off_policy_metrics = self.replay_buffer.sample(...)` then `metrics.update(off_policy_metrics)`
+  (lines 567-572); `step()` reduces the iterations with `MetricsAggregator` (line 559) and `fit()` calls
+  `self.logger.log(data=metrics, step=self.global_steps)` (line 514). The replay buffer class is verl's
+  extension point `trainer.v1.sampler.custom_sampler.{path,name}` (`_build_replay_buffer`, line 139):
+  `BelayerReplayBuffer` is verl's ReplayBuffer (ReplayBufferAsync in the async modes) whose `sample()` adds
+  the take, so the logger gets `belayer/<name>`. With `trainer.v1.<mode>.parameter_sync_step` > 1 verl's
+  aggregator averages the per-iteration values of a step (the `*_max` ones: their maximum).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync  # imports TransferQueue, as v1 does
+
+from belayer_plugin.hooks.verl.manager import current_manager
+
+
+class BelayerReplayBuffer(ReplayBuffer):
+    """verl's v1 replay buffer (sync mode; ReplayBufferAsync's sampling in the async modes) whose `sample()`
+    also returns Belayer's step metrics. Name it in the recipe:
+    `trainer.v1.sampler.custom_sampler.path=pkg://belayer_plugin.hooks.verl.step_metrics`,
+    `trainer.v1.sampler.custom_sampler.name=BelayerReplayBuffer`."""
+
+    def __new__(cls, *args: Any, trainer_mode: str = "sync", **kwargs: Any):
+        if cls is BelayerReplayBuffer and trainer_mode != "sync":
+            cls = BelayerReplayBufferAsync  # as verl's _build_replay_buffer picks its own two
+        return super().__new__(cls)
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int):
+        manager = current_manager()
+        if manager is not None:
+            manager.check_replay_buffer_supported()
+        batch, metrics = super().sample(global_steps, partition_id, batch_size)
+        if manager is not None and partition_id != "val":
+            metrics = {**metrics, **manager.take_step_metrics()}
+        return batch, metrics
+
+
+class BelayerReplayBufferAsync(BelayerReplayBuffer, ReplayBufferAsync):
+    """BelayerReplayBuffer over verl's ReplayBufferAsync (colocate_async, separate_async)."""
