@@ -300,6 +300,10 @@ class ScriptedAgent:
     def __init__(self, tokenizer, steps: int, on_step=None):
         self.tok, self.steps, self.on_step = tokenizer, steps, on_step
         self.calls = 0
+        self.reported: list[dict] = []
+
+    async def report_metrics(self, counts: dict) -> None:  # BelayerLLMServerClient's: to the step's metrics
+        self.reported.append(counts)
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
         from verl.workers.rollout.replica import TokenOutput
@@ -344,9 +348,13 @@ def test_sandbox_agent_loop_container_killed_mid_trajectory_restores_and_matches
         out = await asyncio.wait_for(loop.run({}, raw_prompt=[{"role": "user", "content": "log three steps"}]), 240)
         return out, agent
 
-    golden, _ = asyncio.run(run())
+    golden, quiet = asyncio.run(run())
     g = golden.extra_fields["belayer_sandbox"]
     assert g["recoveries"] == 0 and g["boundaries"] == 3
+    # one report per trajectory for the trainer's step metrics: no restore without a fault
+    (q,) = quiet.reported
+    assert q["belayer/env_restores"] == 0 and q["belayer/env_rollback_actions"] == 0, q
+    assert (q["belayer/checkpoints"] > 0) == (q["belayer/checkpoint_s"] > 0), q
     assert "step0\nstep1\nstep2" in g["messages"][-2]["content"]
 
     killed = []
@@ -363,6 +371,8 @@ def test_sandbox_agent_loop_container_killed_mid_trajectory_restores_and_matches
     assert faulted.response_ids == golden.response_ids and faulted.response_mask == golden.response_mask
     assert f["messages"] == g["messages"] and "step0\nstep1\nstep2" in f["messages"][-2]["content"]
     assert agent.calls == 5, "only the action whose effect was lost is regenerated"
+    (m,) = agent.reported
+    assert m["belayer/env_restores"] == 1 and m["belayer/checkpoints"] >= q["belayer/checkpoints"], m
 
 
 def test_external_module_loads_through_verls_own_env_var():
