@@ -133,8 +133,8 @@ class HealthMonitor:
         """New tokens of `rid` streamed back from the engine."""
         if self.cfg.progress.enabled:
             self.progress.tokens(engine, incarnation, rid, time.monotonic())
-            ev = self._confirming.get(engine)
-            if ev is not None:
+            ev, w = self._confirming.get(engine), self._watches.get(engine)
+            if ev is not None and w is not None and w.incarnation == incarnation:
                 ev.set()
 
     def request_ended(self, engine: str, incarnation: int, rid: str) -> None:
@@ -144,30 +144,40 @@ class HealthMonitor:
 
     async def _progress_loop(self) -> None:
         while True:
-            self._progress_wake.clear()
-            d = self.progress.next_deadline()
-            t_sleep = time.monotonic()
-            timeout = None if d is None else d - t_sleep
-            if timeout is None or timeout > 0:
-                try:
-                    await asyncio.wait_for(self._progress_wake.wait(), timeout)
-                    continue  # something changed: recompute the deadlines
-                except asyncio.TimeoutError:
-                    pass
-                late = time.monotonic() - (t_sleep + timeout)
-                if late > _LOOP_LAG_S:
-                    self.progress.excuse(late)
-                    log.warning("monitor loop was %.2f s late: excused from every engine's silence", late)
-                    continue
-            await asyncio.sleep(_SETTLE_S)  # let readers take tokens that arrived with the deadline
-            for st in self.progress.stalled(time.monotonic()):
-                w = self._watches.get(st.engine)
-                if w is None or w.incarnation != st.incarnation or not self.serving or self.in_grace(st.engine):
-                    continue
-                log.warning("%s: %s", st.engine, st.reason)
-                await self._emit(w, Signal.PROGRESS_STALLED, st.reason)
-                w.tasks = [t for t in w.tasks if not t.done()]
-                w.tasks.append(asyncio.create_task(self._confirm(w, st), name=f"confirm-{st.engine}"))
+            try:
+                await self._progress_round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not end hang detection for good
+                log.exception("progress watcher round failed")
+                await asyncio.sleep(self.cfg.progress.floor_s)  # not a hot loop if it keeps failing
+
+    async def _progress_round(self) -> None:
+        """Sleeps until the earliest silence deadline (or a change), then reports and confirms stalls."""
+        self._progress_wake.clear()
+        d = self.progress.next_deadline()
+        t_sleep = time.monotonic()
+        timeout = None if d is None else d - t_sleep
+        if timeout is None or timeout > 0:
+            try:
+                await asyncio.wait_for(self._progress_wake.wait(), timeout)
+                return  # something changed: recompute the deadlines
+            except asyncio.TimeoutError:
+                pass
+            late = time.monotonic() - (t_sleep + timeout)
+            if late > _LOOP_LAG_S:
+                self.progress.excuse(late)
+                log.warning("monitor loop was %.2f s late: excused from every engine's silence", late)
+                return
+        await asyncio.sleep(_SETTLE_S)  # let readers take tokens that arrived with the deadline
+        for st in self.progress.stalled(time.monotonic()):
+            w = self._watches.get(st.engine)
+            if w is None or w.incarnation != st.incarnation or not self.serving or self.in_grace(st.engine):
+                continue
+            log.warning("%s: %s", st.engine, st.reason)
+            await self._emit(w, Signal.PROGRESS_STALLED, st.reason)
+            w.tasks = [t for t in w.tasks if not t.done()]
+            w.tasks.append(asyncio.create_task(self._confirm(w, st), name=f"confirm-{st.engine}"))
 
     async def _confirm(self, w: _Watch, st: Stall) -> None:
         """Probes a silent engine at once: a token or an answer clears it; neither within the bound: DEAD."""
