@@ -5,4 +5,4 @@
 # could finish before a kill at token 8 landed, and the check then rightly failed).
 here=$(dirname "$0")
 EXPECT=survival GOLDEN_TAG=sglang exec "$here/run_scenario.sh" chaos/engine_server_kill $(cat "$here/sglang.overrides") \
-  loop.tokens_per_turn=256 belayer.chaos.at=8 "belayer.chaos.expect=[engine_detected,engine_replaced,request_resumed_midway]" "$@"
+  belayer.chaos.at=8 "belayer.chaos.expect=[engine_detected,engine_replaced,request_resumed_midway]" "$@"

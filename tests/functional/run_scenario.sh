@@ -12,12 +12,16 @@ out=$(mktemp -d /tmp/belayer-chaos-XXXXXX)
 "$PY" -m belayer_plugin.cli run "$recipe" "belayer.run_dir=$out" "$@" || true   # the check below decides
 args=(--report "$out/report.json" --expect "$EXPECT")
 if [ "$EXPECT" = survival ]; then
-  # keyed by the recipes, the overrides AND the code: a golden run made otherwise is never compared against
-  key=$( (echo "$*"; cat "$ROOT"/recipes/demo.yaml "$ROOT"/recipes/belayer/default.yaml \
+  # keyed by the recipes, the overrides AND the code: a golden run made otherwise is never compared against.
+  # Chaos overrides are left out of the key (the golden run has chaos off), so scenarios that differ only in
+  # their fault share one golden run.
+  plain=()
+  for a in "$@"; do case "$a" in belayer.chaos.*|+belayer.chaos.*) ;; *) plain+=("$a") ;; esac; done
+  key=$( (echo "${plain[*]}"; cat "$ROOT"/recipes/demo.yaml "$ROOT"/recipes/belayer/default.yaml \
         $(find "$ROOT/belayer_plugin" "$ROOT/envs" -name '*.py' | sort)) | sha1sum | cut -c1-12)
   gdir=${BELAYER_GOLDEN_DIR:-/tmp/belayer-golden-$key}${GOLDEN_TAG:+-$GOLDEN_TAG}
   if [ ! -f "$gdir/report.json" ]; then
-    "$PY" -m belayer_plugin.cli run "$recipe" "belayer.run_dir=$gdir.tmp" belayer.chaos.enabled=false "$@"
+    "$PY" -m belayer_plugin.cli run "$recipe" "belayer.run_dir=$gdir.tmp" belayer.chaos.enabled=false "${plain[@]}"
     rm -rf "$gdir"; mv "$gdir.tmp" "$gdir"
   fi
   args+=(--golden "$gdir/report.json")
