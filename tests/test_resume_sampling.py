@@ -146,3 +146,13 @@ async def test_n_above_one_is_refused_up_front_with_a_clear_error(servers):
     with pytest.raises(RequestFailedError) as ei:
         await gen.generate("fan-out", PROMPT, {"max_new_tokens": 4, "n": 2})
     assert ei.value.status == 400 and "send 2 requests" in str(ei.value)
+
+
+def test_a_resumed_segment_seed_follows_the_engines_seeding_scheme():
+    from belayer_plugin.generation.resume_policy import segment_seed
+
+    # CPU engine: output token i drawn with seed + i, so a segment after 12 tokens starts at seed + 12.
+    assert segment_seed(7, 12, per_position=False) == 19 and segment_seed(7, 0, per_position=False) == 7
+    # SGLang's deterministic sampler hashes (seed, absolute position): the request's seed, unchanged.
+    assert segment_seed(7, 12, per_position=True) == 7
+    assert segment_seed(None, 12, per_position=True) is None and segment_seed(None, 3, per_position=False) is None

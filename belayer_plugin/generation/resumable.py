@@ -26,7 +26,7 @@ from belayer_plugin.config import RecoveryConfig
 from belayer_plugin.events import EventLog
 from belayer_plugin.generation.context_log import ContextLog, Segment
 from belayer_plugin.generation.resume_policy import (UnsupportedRequestError, check_request, resume_refusals,
-                                                     stop_strings)
+                                                     segment_seed, stop_strings)
 from belayer_plugin.generation.sglang_http import GenerateError, generate, generate_stream
 
 
@@ -89,6 +89,12 @@ class FleetSelector:
     @property
     def tokenizer_path(self) -> Optional[str]:
         return getattr(self.fleet, "model_path", None)
+
+    @property
+    def seed_per_position(self) -> bool:
+        """SGLang seeds each token from (seed, absolute position); the CPU engine from seed + output index."""
+        cfg = getattr(self.fleet, "cfg", None)
+        return getattr(getattr(cfg, "engines", None), "kind", "cpu") == "sglang"
 
     def _slot(self, target: Target) -> Any:
         slot = self.fleet.slots.get(target.engine)
@@ -182,6 +188,8 @@ class ResumableGenerator:
         # Decodes ids to check stop strings across a cut (None: the selector's model, if it names one).
         self.tokenizer_path = tokenizer_path or getattr(selector, "tokenizer_path", None)
         self._tokenizer: Any = None
+        # How the engines turn a seed into per-token randomness (resume_policy.segment_seed).
+        self.seed_per_position = bool(getattr(selector, "seed_per_position", False))
 
     async def generate(self, rid: str, input_ids: list[int], sampling_params: dict, return_logprob: bool = False,
                        on_progress: Optional[ProgressFn] = None) -> tuple[ContextLog, dict]:
@@ -224,8 +232,8 @@ class ResumableGenerator:
             except Exception as e:
                 raise RequestFailedError(log.rid, f"no healthy engine: {e}", log, status=503) from e
             seed = sp.get("seed", sp.get("sampling_seed"))
-            # A resumed sampled segment gets a seed derived from the position, so reruns are reproducible.
-            seg_seed = None if seed is None else int(seed) + log.committed
+            # A resumed sampled segment continues the fault-free run's randomness (resume_policy.segment_seed).
+            seg_seed = segment_seed(seed, log.committed, self.seed_per_position)
             seg = log.begin(target.engine, target.url, seg_seed)
             bind = getattr(self.selector, "bind", None)
             if bind is not None:
@@ -335,7 +343,8 @@ class ResumableGenerator:
         # chunked: commit every chunk_tokens tokens
         while True:
             n = min(self.cfg.chunk_tokens, log.remaining)
-            body = self._body(log, sp, None if seed is None else seed + (log.committed - seg.start), n, attempt)
+            chunk_seed = seed if seed is None or self.seed_per_position else seed + (log.committed - seg.start)
+            body = self._body(log, sp, chunk_seed, n, attempt)
             if self.transport is not None:
                 out = await self.transport(seg.url, body, self.cfg.stall_timeout_s)
             else:

@@ -4,7 +4,10 @@ A resumed request goes on from prompt + committed ids on another engine. That is
 next-token distribution depends only on the token sequence and on parameters Belayer can carry across
 the cut:
 - greedy, temperature / top_p / top_k / min_p, logit_bias, stop_token_ids, ignore_eos: position-free;
-- seeded sampling: the segment's seed is derived from the position (seed + committed);
+- seeded sampling: the segment's seed follows the engine's seeding scheme (`segment_seed`): Belayer's CPU
+  engine draws output token i with seed + i, so a segment starting after k tokens gets seed + k; SGLang's
+  seeded sampler (only under --enable-deterministic-inference) hashes the seed with each token's absolute
+  position, so a segment gets the request's seed unchanged;
 - max_new_tokens and min_new_tokens: reduced by the committed count;
 - stop strings: the engine only sees its own segment's text, so Belayer checks the combined text at every
   new token of a resumed segment (a stop string straddling the cut ends the request where the fault-free
@@ -17,11 +20,19 @@ a `resume_refused` event naming the reason, as Dynamo does for guided decoding):
   output token and SGLang's API cannot start it from a prefix;
 - a custom logit processor or stop_regex: state Belayer cannot see.
 `n > 1` is rejected up front: each of the n sequences is its own request (send n requests, with seeds).
+
+Checked on real SGLang 0.5.23 on CPU (tests/test_sglang_sampling.py): greedy, logit_bias, min_new_tokens,
+stop_token_ids and a stop string straddling the cut resume with the fault-free ids; with each penalty the
+plain continuation from prompt + committed ids gives other ids than the fault-free run (so refusing is
+needed), and the retry from the prompt gives the fault-free ids. Sampled requests (temperature > 0) are
+resumed, not refused: on CPU SGLang cannot run deterministic inference (it refuses the torch_native attention
+backend), so sampling_seed is ignored and no two runs agree even without faults; the resumed request is a
+continuation of the committed tokens drawn from the same distribution, which a restart would not improve.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 _GRAMMAR = ("regex", "json_schema", "ebnf", "structural_tag")
 
@@ -58,6 +69,18 @@ def resume_refusals(sp: dict, body: dict | None = None, can_check_stop: bool = T
     if stop_strings(sp) and not can_check_stop:
         out.append("stop strings may straddle the cut and no tokenizer is available to check them")
     return out
+
+
+def segment_seed(seed: Optional[int], committed: int, per_position: bool) -> Optional[int]:
+    """The seed for a segment that starts after `committed` output tokens.
+
+    `per_position`: the engine derives each token's randomness from the seed and the token's absolute
+    position (SGLang's deterministic sampler), so the seed stays the request's; otherwise it seeds the
+    request's i-th output token with seed + i (Belayer's CPU engine), so the segment gets seed + committed.
+    """
+    if seed is None:
+        return None
+    return int(seed) if per_position else int(seed) + committed
 
 
 def stop_strings(sp: dict) -> list[str]:
