@@ -1,11 +1,13 @@
 """Environment recovery: full_restore vs regenerating from the base image, and checkpoint overhead visibility.
 
 A scripted agent trajectory of N actions runs in a real sandbox (Podman or Docker, CRIU). Each action is
-preceded by an LLM generation, simulated by a fixed wall-clock time (--gen-s) because no model is needed to
-measure the environment. The environment holds in-memory state (the scripted daemon plus, in the python
+preceded by an LLM generation, simulated by a fixed amount of CPU work on every core (matrix products,
+calibrated on the idle machine to take --gen-s): a checkpoint that competes for the CPU slows it down, as it
+would slow a CPU engine, so its cost shows up in the rollout time (--gen-sleep: the old idle wait instead). The environment holds in-memory state (the scripted daemon plus, in the python
 env, a process holding --hold-mb of memory).
 
-1. Recovery at failure points k: (a) full_restore of the newest checkpoint at or before k, then
+1. Recovery at failure points k, drawn uniformly from 1..N (seeded; --points of them per repeat), so they
+   fall anywhere between checkpoints, not on them: (a) full_restore of the newest checkpoint at or before k, then
    regenerate the actions after it; (b) a fresh sandbox from the base image, set-up, then regenerate all
    k actions. Regenerating an action costs one generation (simulated) plus its real exec.
 2. Overhead: the same rollout (i) without checkpoints, (ii) checkpointing synchronously after every action,
@@ -29,8 +31,11 @@ import shutil
 import statistics
 import sys
 import tempfile
+import random
 import time
 from pathlib import Path
+
+import numpy as np
 
 from belayer_plugin.envs.build import ensure_image
 from belayer_plugin.envs.definitions import get_env
@@ -56,17 +61,44 @@ def make_setup(env: str, hold_mb: int):
     return setup
 
 
-def regenerate(sb: Sandbox, first: int, last: int, gen_s: float) -> float:
+class Generation:
+    """One simulated LLM generation: a fixed number of matrix products on every core (numpy's BLAS threads),
+    calibrated so that it takes `gen_s` on the idle machine; `sleep=True`: an idle wait of gen_s instead."""
+
+    def __init__(self, gen_s: float, sleep: bool = False):
+        self.gen_s, self.sleep = gen_s, sleep
+        self.a = np.random.default_rng(0).random((384, 384))
+        self.units = 0
+        if not sleep and gen_s > 0:
+            self._unit()  # warm BLAS up before timing it
+            t0, k = time.monotonic(), 0
+            while time.monotonic() - t0 < 0.5:
+                self._unit()
+                k += 1
+            self.units = max(1, round(gen_s * k / (time.monotonic() - t0)))
+
+    def _unit(self) -> None:
+        self.a = np.tanh(self.a @ self.a)
+
+    def __call__(self) -> None:
+        if self.sleep:
+            time.sleep(self.gen_s)  # simulated idle generation, not synchronisation
+            return
+        for _ in range(self.units):
+            self._unit()
+
+
+def regenerate(sb: Sandbox, first: int, last: int, gen: Generation) -> float:
     """Regenerates actions first..last: one simulated generation + the real exec each; returns seconds."""
     t0 = time.monotonic()
     for i in range(first, last + 1):
-        time.sleep(gen_s)  # the LLM regenerating action i (simulated work, not synchronisation)
+        gen()  # the LLM regenerating action i
         r = sb.exec(action(i)["command"], timeout=30)
         assert r.exit_code == 0, r
     return time.monotonic() - t0
 
 
-def rollout(backend, spec, setup, n: int, gen_s: float, store_root: Path, mode: str, policy_kind: str,
+def rollout(backend, spec, setup, n: int, gen: Generation, store_root: Path, mode: str, policy_kind: str,
             failure_prob: float) -> dict:
     """One rollout of n actions; policy_kind: none | sync_every | adaptive. Returns timings."""
     sb = Sandbox.create(backend, spec, f"roll-{policy_kind}")
@@ -83,7 +115,7 @@ def rollout(backend, spec, setup, n: int, gen_s: float, store_root: Path, mode: 
     t0 = time.monotonic()
     for i in range(1, n + 1):
         gt = time.monotonic()
-        time.sleep(gen_s)  # the LLM generating action i (simulated); async checkpoints overlap this
+        gen()  # the LLM generating action i (simulated); async checkpoints overlap this
         if pol:
             pol.note_work(time.monotonic() - gt, "generation")
             pol.wait_ready(timeout=120)  # the action needs the sandbox: wait only if the checkpoint still runs
@@ -151,6 +183,9 @@ def main(argv=None) -> int:
     ap.add_argument("--env", choices=["busybox", "python"], default=None)
     ap.add_argument("--actions", type=int, default=None)
     ap.add_argument("--gen-s", type=float, default=None, help="simulated LLM generation time per action")
+    ap.add_argument("--gen-sleep", action="store_true", help="generation as an idle wait (uses no CPU)")
+    ap.add_argument("--points", type=int, default=None, help="failure points per repeat, uniform in 1..actions")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hold-mb", type=int, default=64)
     ap.add_argument("--failure-prob", type=float, default=0.02, help="per action (the recipe's default)")
     ap.add_argument("--repeats", type=int, default=None)
@@ -162,6 +197,8 @@ def main(argv=None) -> int:
     n = args.actions or (8 if args.quick else 16)
     gen_s = args.gen_s if args.gen_s is not None else (2.0 if args.quick else 3.0)
     repeats = args.repeats or (1 if args.quick else 3)
+    n_points = args.points or (4 if args.quick else 6)
+    rng = random.Random(args.seed)
     logging.basicConfig(level=logging.WARNING)
 
     daemon = None
@@ -179,14 +216,15 @@ def main(argv=None) -> int:
         image = ensure_image(backend, env)
         spec = SandboxSpec(image=image, memory_mb=1024, pids_limit=256, command=get_env(env).command)
         setup = make_setup(env, args.hold_mb)
-        print(f"env={env} backend={backend.name} actions={n} gen_s={gen_s} mode={args.mode} repeats={repeats}")
+        gen = Generation(gen_s, sleep=args.gen_sleep)
+        print(f"env={env} backend={backend.name} actions={n} gen_s={gen_s} "
+              f"({'idle wait' if args.gen_sleep else f'{gen.units} matrix products on every core'}) mode={args.mode} "
+              f"repeats={repeats} failure points {n_points} per repeat, uniform in 1..{n} (seed {args.seed})")
 
         parts = set(args.parts.split(","))
         restore_tot, rebuild_tot, ck_durations, restore_only = [float("nan")], [float("nan")], [float("nan")], [float("nan")]
         # -- 1. recovery at several failure points -------------------------------------------------
         every = 2  # checkpoint every 2 actions in this part
-        # failures right after a checkpoint and between two (then one action is regenerated after the restore)
-        points = sorted({min(n, max(1, n // 4) + 1), max(1, n // 2), min(n, 3 * n // 4 + 1), n})
         print(f"\n[recovery] checkpoint every {every} actions; failure after action k")
         print(f"{'k':>4} {'ck_at':>6} {'restore_s':>10} {'regen_after_s':>14} {'full_restore_total_s':>21} "
               f"{'rebuild_total_s':>16} {'ratio':>7}")
@@ -205,7 +243,7 @@ def main(argv=None) -> int:
                     cks[i] = full_checkpoint(sb, i, store, "bench", args.mode, 120)
                     ck_durations.append(time.monotonic() - t)
             sb.close()
-            for k in points:
+            for k in sorted(rng.randint(1, n) for _ in range(n_points)):
                 at = max([b for b in cks if b <= k], default=None)
                 t = time.monotonic()
                 if at is None:
@@ -215,14 +253,14 @@ def main(argv=None) -> int:
                 else:
                     rs = full_restore(cks[at], backend, store, timeout_s=120)
                 restore_s = time.monotonic() - t
-                regen = regenerate(rs, at + 1, k, gen_s)
+                regen = regenerate(rs, at + 1, k, gen)
                 full_total = restore_s + regen
                 assert query_state(rs) == golden_state(k)
                 rs.close()
                 t = time.monotonic()
                 fresh = Sandbox.create(backend, spec, "bench-b")
                 setup(fresh)
-                regenerate(fresh, 1, k, gen_s)
+                regenerate(fresh, 1, k, gen)
                 rebuild = time.monotonic() - t
                 assert query_state(fresh) == golden_state(k)
                 fresh.close()
@@ -236,7 +274,7 @@ def main(argv=None) -> int:
         print(f"\n[overhead] rollout of {n} actions, generation {gen_s}s each")
         res = {}
         for kind in (("none", "sync_every", "adaptive") if "overhead" in parts else ()):
-            runs = [rollout(backend, spec, setup, n, gen_s, work / f"roll-{kind}-{r}", args.mode, kind,
+            runs = [rollout(backend, spec, setup, n, gen, work / f"roll-{kind}-{r}", args.mode, kind,
                             args.failure_prob) for r in range(repeats)]
             res[kind] = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
             v = res[kind]
