@@ -322,12 +322,23 @@ def test_engine_handed_over_mid_rollout_stays_stale_until_the_next_refit_streams
     pg, policy = setup
     fm = pg.belayer_fleet
     events = pg.belayer_events
+    pg.get_step_metrics()  # what earlier tests did is in earlier steps
     golden = _generated(pg)
+    # a step without a fault: GRPO logs every Belayer metric, all zero
+    from belayer_plugin.metrics import STEP_METRICS
+
+    quiet = pg.get_step_metrics()
+    assert set(quiet) == {f"belayer/{n}" for n in STEP_METRICS} and set(quiet.values()) == {0.0}, quiet
     victim = fm.slots["engine-0"]
     old_url = victim.info.url
     since = events.events[-1].t
     os.kill(victim.info.actor_pid, signal.SIGKILL)  # mid-rollout: the fleet is serving
     _wait(pg, lambda e: e.kind == "handover" and e.subject == "engine-0", since=since)  # emitted last
+    # this step's metrics as grpo.py gets them (policy_generation.get_step_metrics(), logged under train/)
+    m = pg.get_step_metrics()
+    assert m["belayer/engine_deaths_detected"] == 1 and m["belayer/handovers"] == 1, m
+    assert 0 < m["belayer/handover_s_max"] < 60 and m["belayer/cold_restarts"] == 0, m
+    assert set(pg.get_step_metrics().values()) == {0.0}, "counts must be per step, not cumulative"
     assert any(e.kind == "awaiting_weights" and e.subject == "engine-0" for e in events.events if e.t >= since)
     assert victim.health.state.value == "STALE" and victim.info.url != old_url
     assert victim.served_version == "default" and fm.weights.version == "1"
@@ -345,6 +356,27 @@ def test_engine_handed_over_mid_rollout_stays_stale_until_the_next_refit_streams
     r = httpx.post(f"{victim.info.url}/generate", json={"input_ids": PROMPTS[0], "return_logprob": True,
                    "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}, timeout=60).json()
     assert [t[1] for t in r["meta_info"]["output_token_logprobs"]] == _generated(pg)[0]
+
+
+def test_grpo_asks_the_generation_backend_for_step_metrics_and_logs_them_with_the_train_metrics(nrl):
+    """Where Belayer's get_step_metrics() reaches NeMo-RL's Logger (wandb / tensorboard / mlflow), read from
+    NeMo-RL's own source: both GRPO loops ask any backend that has it, once per step."""
+    import inspect
+
+    grpo, sg = nrl
+    for fn, merge, log_call in (
+            (grpo.grpo_train, "metrics.update(gen_step_metrics)",
+             'logger.log_metrics(metrics, total_steps + 1, prefix="train")'),
+            (grpo.async_grpo_train, "metrics.update(policy_generation.get_step_metrics())",
+             'logger.log_metrics(metrics, step + 1, prefix="train")')):
+        src = inspect.getsource(fn)
+        asked = src.index('hasattr(policy_generation, "get_step_metrics")')
+        got = src.index("policy_generation.get_step_metrics()", asked)
+        merged = src.index(merge, asked)
+        assert asked < got and asked < merged and max(got, merged) < src.index(log_call, merged), fn.__name__
+    from belayer_plugin.hooks.nemo_rl import fault_tolerant
+
+    assert callable(getattr(fault_tolerant(sg.SGLangGeneration), "get_step_metrics", None))
 
 
 def test_an_engine_not_serving_the_streamed_version_leaves_the_router_until_a_refit_reaches_it(nrl, setup):

@@ -22,6 +22,8 @@ weight-version fencing), NeMo-RL's own workers and router are not started, and:
 - `finish_generation()` -> fleet.pause(release_memory=needs_offload); `invalidate_kv_cache()` -> /flush_cache
   on every engine, retried while requests drain (bounded by engines.flush_cache_timeout_s);
   `shutdown()` -> fleet.shutdown();
+- `get_step_metrics()` -> Belayer's per-step recovery metrics (`belayer/...`), which GRPO logs as
+  `train/belayer/...` with the step's metrics;
 - `belayer.chaos` (off by default) injects Belayer's chaos kinds; the `step` trigger counts generation phases
   (one per refit), `victim_state` paused/serving follows finish/prepare.
 Knobs: `policy.generation.sglang_cfg.belayer` (a `belayer` section over recipes/belayer/default.yaml),
@@ -141,6 +143,10 @@ class BelayerSGLangMixin:
         run_dir = Path(self.belayer.run_dir or "runs/belayer-nemo-rl")
         run_dir.mkdir(parents=True, exist_ok=True)
         self.belayer_events = EventLog(run_dir / "events.jsonl")
+        from belayer_plugin.metrics import StepMetrics
+
+        self.belayer_step_metrics = StepMetrics()  # deltas per GRPO step, see get_step_metrics
+        self.belayer_events.subscribe(self.belayer_step_metrics.on_event)
         self.belayer_loop = LoopThread()
 
         async def make() -> FleetManager:  # built on the loop that will run it
@@ -319,6 +325,18 @@ class BelayerSGLangMixin:
             return all(rs)
 
         return self.belayer_loop.run(all_(), timeout + 30)
+
+    def get_step_metrics(self) -> dict[str, float]:
+        """Belayer's recovery metrics since the previous call, `belayer/<name>` (deltas: zeros for a step without
+        a fault; {} with fault tolerance off). NeMo-RL asks every generation backend for these once per step
+        (`if hasattr(policy_generation, "get_step_metrics")`: grpo.py's grpo_train and async_grpo_train, as for
+        vLLM's speculative-decoding counters) and logs them with the step's train metrics through its Logger
+        (`logger.log_metrics(metrics, step, prefix="train")`): `train/belayer/<name>` in wandb / tensorboard /
+        mlflow."""
+        if self.belayer_fleet is None:
+            parent = getattr(super(), "get_step_metrics", None)
+            return parent() if parent is not None else {}
+        return self.belayer_step_metrics.take()
 
     def shutdown(self) -> bool:
         if self.belayer_fleet is None:
