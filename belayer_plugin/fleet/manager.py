@@ -869,6 +869,7 @@ class FleetManager:
                     # A request picked just before the drain may reach the engine after the abort: abort again
                     # every 0.25 s until the selector has released every request on this slot.
                     await asyncio.wait_for(s.idle.wait(), min(0.25, left))
+                    break
                 except asyncio.TimeoutError:
                     pass
             if not s.idle.is_set():
