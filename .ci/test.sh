@@ -9,6 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 out=$(mktemp -d /tmp/belayer-tests-XXXXXX)
+echo "[test.sh] logs and per-test times (a.times, b.times) in $out"
 # Half A: sandboxes, containers and the chaos scripts (subprocess runs of the main job).
 A=(tests/test_functional.py tests/test_fork_groups.py tests/test_soak.py tests/test_fuzz_checkpoint.py
    $(ls tests/test_sandbox_*.py))
@@ -16,9 +17,9 @@ B=()
 for f in tests/test_*.py; do
   case " ${A[*]} " in *" $f "*) ;; *) B+=("$f") ;; esac
 done
-"$PY" -m pytest -q -rfE --durations=25 --junitxml="$out/a.xml" "${A[@]}" "$@" > "$out/a.log" 2>&1 &
+BELAYER_TEST_TIMES=$out/a.times "$PY" -m pytest -q -rfE --durations=25 --junitxml="$out/a.xml" "${A[@]}" "$@" > "$out/a.log" 2>&1 &
 pa=$!
-"$PY" -m pytest -q -rfE --durations=25 --junitxml="$out/b.xml" "${B[@]}" "$@" > "$out/b.log" 2>&1 &
+BELAYER_TEST_TIMES=$out/b.times "$PY" -m pytest -q -rfE --durations=25 --junitxml="$out/b.xml" "${B[@]}" "$@" > "$out/b.log" 2>&1 &
 pb=$!
 wait $pa; ra=$?
 wait $pb; rb=$?

@@ -102,3 +102,14 @@ def ray_cluster():
     init_ray(belayer_cfg().ray)
     yield
     ray.shutdown()
+
+
+_TIMES = os.environ.get("BELAYER_TEST_TIMES")  # .ci/test.sh: one line per test as it ends (a run cut short
+# by CI's time limit still says where the time went)
+
+
+def pytest_runtest_logreport(report):
+    if _TIMES and (report.when == "call" or report.duration > 1 or report.outcome != "passed"):
+        with open(_TIMES, "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {report.duration:8.1f}s {report.when:8} {report.outcome:7} "
+                    f"{report.nodeid}\n")
