@@ -330,6 +330,212 @@ def run_engine_campaign(faults: int, seed: int = 0, duration_s: float = 0.0, con
     return asyncio.run(_engine_campaign(cfg, rd, faults, seed, duration_s, concurrency, tokens, progress))
 
 
+# ------------------------------------------------------------------------------------------ burst
+BURST_FAULTS = ("server SIGKILL", "server SIGKILL (same slot)", "server SIGSTOP (hang)", "actor SIGKILL",
+                "standby SIGKILL")
+# A standby per slot and a repeat-fault window wider than the burst; unlike the engine campaign, the restart
+# budget and the window stay as in production: the burst is what they must withstand.
+BURST_OVERRIDES = ["belayer.use_fault_tolerance=true", "belayer.chaos.enabled=false", "belayer.engines.num_engines=2",
+                   "belayer.shadow.num_standby=2", "belayer.shadow.fault_window_s=600",
+                   "belayer.restart.backoff_initial_s=0.2", "belayer.restart.backoff_max_s=1",
+                   "belayer.monitor.probe_interval_s=0.2", "belayer.monitor.probe_timeout_s=0.5",
+                   "belayer.monitor.failure_threshold=2", "belayer.monitor.boot_grace_s=60",
+                   "belayer.monitor.liveness_timeout_s=1", "belayer.recovery.stall_timeout_s=10",
+                   "belayer.engines.cpu_step_delay_ms=2"]
+# Real SGLang on CPU: /health_generate takes >= 1 s, starts take 15-130 s on two loaded cores.
+BURST_SGLANG = ["belayer.monitor.probe_interval_s=1", "belayer.monitor.probe_timeout_s=5",
+                "belayer.engines.startup_timeout_s=400", "belayer.recovery.stall_timeout_s=60",
+                "belayer.router.membership_timeout_s=10"]
+
+
+def _ev(kind: str, subject: Optional[str] = None) -> Any:
+    return lambda e: e.kind == kind and (subject is None or e.subject == subject)
+
+
+async def burst_round(fm: Any, gen: Any, prompts: list[list[int]], tokens: int, concurrency: int,
+                      golden: list[list[int]]) -> dict:
+    """One burst of mixed faults on a running fleet with a standby per slot, under `concurrency` clients
+    streaming greedy requests: a server SIGKILL of engine-0, again once its slot serves (same slot, inside
+    the window), a hang (SIGSTOP) of engine-1 once engine-0 serves again, an actor SIGKILL of engine-1, and a
+    SIGKILL of a ready standby; each fired while the victim serves requests. Returns the figures and every
+    violation (lost or changed requests, fleet or pool not back to full strength, a node excluded)."""
+    events, cfg = fm.events, fm.cfg
+    grace = cfg.engines.startup_timeout_s + 60
+    sp = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    busy = {sid: asyncio.Event() for sid in fm.slots}
+
+    def progress(clog: Any, seg: Any) -> None:
+        if clog.committed - seg.start >= min(10, tokens // 4) and seg.engine in busy:
+            busy[seg.engine].set()
+
+    gen.observers.append(progress)
+    done = asyncio.Event()
+    results: list[tuple[int, list[int]]] = []
+    lost: list[str] = []
+    faults: list[dict] = []
+    t0 = time.time()
+
+    async def worker(i: int) -> None:
+        n = 0
+        while not done.is_set() or n == 0:
+            k = (i + n) % len(prompts)
+            try:
+                _, resp = await gen.generate(f"burst-w{i}-{n}", prompts[k], sp)
+                results.append((k, resp["output_ids"]))
+            except Exception as e:  # a lost request: counted, never hidden
+                lost.append(f"burst-w{i}-{n}: {type(e).__name__}: {str(e)[:200]}")
+            n += 1
+
+    async def fire(kind: str, slot: str, pid: int, sig: int, group: bool = True) -> float:
+        busy[slot].clear()
+        await asyncio.wait_for(busy[slot].wait(), grace)  # strike while it serves requests
+        t = time.time()
+        (os.killpg if group else os.kill)(pid, sig)
+        faults.append({"kind": kind, "slot": slot, "t": t})
+        return t
+
+    async def chaos() -> None:
+        try:
+            t = await fire(BURST_FAULTS[0], "engine-0", fm.slots["engine-0"].info.pid, signal.SIGKILL)
+            await events.wait_for(_ev("registered", "engine-0"), grace, since=t)
+            t = await fire(BURST_FAULTS[1], "engine-0", fm.slots["engine-0"].info.pid, signal.SIGKILL)
+            # Across slots only once engine-0 serves again: with both slots down at once, requests would
+            # wait for a cold restart, not for the fleet's policy.
+            await events.wait_for(_ev("registered", "engine-0"), grace, since=t)
+            hung = fm.slots["engine-1"].info.pid
+            t = await fire(BURST_FAULTS[2], "engine-1", hung, signal.SIGSTOP)
+            await events.wait_for(_ev("detected", "engine-1"), 60, since=t)
+            await events.wait_for(_ev("registered", "engine-1"), grace, since=t)
+            try:
+                os.killpg(hung, signal.SIGCONT)  # fenced already: nothing left to resume
+            except ProcessLookupError:
+                pass
+            t = await fire(BURST_FAULTS[3], "engine-1", fm.slots["engine-1"].info.actor_pid, signal.SIGKILL,
+                           group=False)
+            await events.wait_for(_ev("detected", "engine-1"), 60, since=t)
+            if fm.shadows is not None and fm.shadows.ready:
+                sh = fm.shadows.ready[0]
+                faults.append({"kind": BURST_FAULTS[4], "slot": sh.sid, "t": time.time()})
+                os.killpg(sh.info.pid, signal.SIGKILL)
+        finally:
+            done.set()
+
+    try:
+        outs = await asyncio.gather(chaos(), *(worker(i) for i in range(concurrency)), return_exceptions=True)
+    finally:
+        gen.observers.remove(progress)
+    bad = list(lost)
+    if isinstance(outs[0], BaseException):
+        bad.append(f"the burst stopped after {len(faults)} fault(s): {type(outs[0]).__name__}: {outs[0]}"[:400])
+    bad += [f"a client failed: {o!r}"[:300] for o in outs[1:] if isinstance(o, BaseException)]
+    burst_s = faults[-1]["t"] - faults[0]["t"] if faults else 0.0
+    if burst_s >= cfg.shadow.fault_window_s:
+        bad.append(f"the burst took {burst_s:.0f} s, not inside shadow.fault_window_s={cfg.shadow.fault_window_s:g}")
+    inconsistent = sum(1 for k, ids in results if ids != golden[k])
+    if inconsistent:
+        bad.append(f"{inconsistent} request(s) differ from the fault-free run")
+    t_full = standbys_s = None
+    try:
+        await fm.wait_all_healthy(grace)
+        t_full = time.time()
+        deadline = time.monotonic() + grace
+        while fm.shadows is not None and len(fm.shadows.ready) < cfg.shadow.num_standby:
+            t = time.time()
+            if time.monotonic() >= deadline:
+                bad.append(f"standbys not replaced: {len(fm.shadows.ready)} of {cfg.shadow.num_standby} ready")
+                break
+            try:
+                await events.wait_for(_ev("shadow_ready"), max(1.0, deadline - time.monotonic()), since=t)
+            except TimeoutError:
+                pass
+        standbys_s = round(time.time() - faults[-1]["t"], 1) if faults else None
+    except Exception as e:  # below the floor (FleetBelowFloorError) or not back in time
+        bad.append(f"fleet not back to full strength: {type(e).__name__}: {e}"[:400])
+    if any(st != "HEALTHY" for st in fm.states().values()):
+        bad.append(f"slots not HEALTHY after the burst: {fm.states()}")
+    if fm.excluded_nodes:
+        bad.append(f"node(s) excluded on one slot's deaths: {fm.exclusions()}")
+    if events.find(lambda e: e.kind == "shadow_budget_spent" and e.t >= t0):
+        bad.append("the standby pool spent its budget")
+    dets = []
+    for f in faults:
+        if f["slot"].startswith("engine"):
+            d = events.find(lambda e, f=f: e.kind == "detected" and e.subject == f["slot"] and e.t >= f["t"])
+            dets.append(round(d[0].t - f["t"], 3) if d else None)
+    hos = [e.figures.get("took_s") for e in events.find(lambda e: e.kind == "handover" and e.t >= t0)]
+    return {"faults": [f["kind"] for f in faults], "burst_s": round(burst_s, 1), "requests": len(results) + len(lost),
+            "completed": len(results), "lost": len(lost), "inconsistent": inconsistent,
+            "resumed": len(events.find(lambda e: e.kind == "resumed" and e.t >= t0)),
+            "detection_s": dets, "handovers": len(hos), "handover_s": hos,
+            "cold_restarts": len(events.find(lambda e: e.kind == "restarted" and e.t >= t0)),
+            "backoffs": len(events.find(lambda e: e.kind == "backoff" and e.t >= t0)),
+            "retired": len(events.find(lambda e: e.kind == "transition" and e.to_state == "RETIRED" and e.t >= t0)),
+            "exclusion_refusals": len(events.find(lambda e: e.kind == "node_exclusion_refused" and e.t >= t0)),
+            "full_strength_after_s": None if t_full is None or not faults else round(t_full - faults[-1]["t"], 1),
+            "standbys_ready_after_s": standbys_s, "violations": bad}
+
+
+async def _burst_campaign(cfg: Any, run_dir: Path, bursts: int, concurrency: int, tokens: int,
+                          progress: bool) -> dict:
+    import httpx
+
+    from belayer_plugin.events import EventLog
+    from belayer_plugin.fleet.manager import FleetManager
+    from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
+    from belayer_plugin.generation.sglang_http import generate
+    from belayer_plugin.ray_cluster import init_ray
+
+    init_ray(cfg.ray)
+    events = EventLog(run_dir / "events.jsonl")
+    fm = FleetManager(cfg, run_dir, events)
+    t0 = time.monotonic()
+    t_start = time.monotonic()
+    await fm.start()
+    start_s = round(time.monotonic() - t_start, 1)
+    rounds: list[dict] = []
+    bar = _bar(bursts, "bursts", progress)
+    try:
+        gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, events)
+        sp = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+        async with httpx.AsyncClient() as c:  # the fault-free ids, one request at a time
+            golden = [(await generate(c, fm.slots["engine-1"].info.url, {"input_ids": p, "sampling_params": sp},
+                                      cfg.recovery.request_timeout_s))["output_ids"] for p in PROMPT_POOL]
+        for _ in range(bursts):
+            rounds.append(await burst_round(fm, gen, PROMPT_POOL, tokens, concurrency, golden))
+            bar.update(1)
+    finally:
+        bar.close()
+        await fm.shutdown()
+    failures = [{"round": i, "fault": "burst", "phase": "burst", "at": None, "violations": r["violations"]}
+                for i, r in enumerate(rounds) if r["violations"]]
+    stats: Counter = Counter()
+    for r in rounds:
+        for k in r["faults"]:
+            stats[f"{k}@burst"] += 1
+        stats["resumed"] += r["resumed"]
+    return {"campaign": "engines", "burst": True, "engine_kind": cfg.engines.kind, "bursts": len(rounds),
+            "faults": sum(len(r["faults"]) for r in rounds), "requests": sum(r["requests"] for r in rounds),
+            "completed": sum(r["completed"] for r in rounds), "lost": sum(r["lost"] for r in rounds),
+            "inconsistent": sum(r["inconsistent"] for r in rounds), "regenerated_tokens": None,  # not counted here
+            "violations": sum(len(r["violations"]) for r in rounds), "failures": failures, "stats": dict(stats),
+            "rounds": rounds, "fleet_start_s": start_s, "duration_s": round(time.monotonic() - t0, 1)}
+
+
+def run_burst_campaign(bursts: int = 1, concurrency: int = 4, tokens: int = 160,
+                       overrides: Optional[list[str]] = None, progress: bool = True,
+                       run_dir: Optional[Path] = None) -> dict:
+    """Runs `bursts` bursts of mixed faults (BURST_FAULTS) on 2 slots with 2 standbys; returns the summary.
+    `belayer.engines.kind=sglang` among the overrides runs them on real SGLang."""
+    from belayer_plugin.config import load_belayer_config
+
+    ov = list(overrides or [])
+    sglang = "belayer.engines.kind=sglang" in ov
+    cfg, _ = load_belayer_config("demo", [*BURST_OVERRIDES, *(BURST_SGLANG if sglang else []), *ov])
+    rd = run_dir or Path(tempfile.mkdtemp(prefix="belayer-soak-burst-"))
+    rd.mkdir(parents=True, exist_ok=True)
+    return asyncio.run(_burst_campaign(cfg, rd, bursts, concurrency, tokens, progress))
+
+
 # ------------------------------------------------------------------------------------------ output
 def summary_png(summary: dict, path: Path) -> None:
     """One panel per campaign: what was hit, and the outcome figures."""
@@ -379,9 +585,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--concurrency", type=int, default=6, help="concurrent requests per engine round")
     ap.add_argument("--tokens", type=int, default=48, help="tokens per request")
     ap.add_argument("--out", default="", help="directory for soak.json and soak.png (default: a new temp dir)")
+    ap.add_argument("--burst", action="store_true",
+                    help="engines: bursts of mixed faults (server kills, a hang, an actor kill, a standby kill) "
+                         "faster than shadow.fault_window_s on 2 slots with 2 standbys; --trials bursts (default 1); "
+                         "add belayer.engines.kind=sglang for real SGLang")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for the engine fleet (recipe demo)")
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)  # options may follow the Hydra overrides
     logging.basicConfig(level=logging.ERROR)
     out = Path(a.out or tempfile.mkdtemp(prefix="belayer-soak-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -389,7 +599,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.campaign in ("envs", "all"):
         summary["envs"] = run_env_campaign(a.trials or 1000, a.seed, a.duration, a.backend, a.actions, a.mode,
                                            progress=not a.no_progress)
-    if a.campaign in ("engines", "all"):
+    if a.campaign in ("engines", "all") and a.burst:
+        summary["engines"] = run_burst_campaign(a.trials or 1, a.concurrency, a.tokens, a.overrides,
+                                                progress=not a.no_progress, run_dir=out / "engines")
+    elif a.campaign in ("engines", "all"):
         summary["engines"] = run_engine_campaign(a.trials or 200, a.seed, a.duration, a.concurrency, a.tokens,
                                                  a.overrides, progress=not a.no_progress, run_dir=out / "engines")
     (out / "soak.json").write_text(json.dumps(summary, indent=2, default=str))
