@@ -332,7 +332,7 @@ class ResumableGenerator:
                               meta.get("weight_version")):
                     if seen is not None:
                         seen()
-                    hit = self._stop_across_cut(log, seg, sp, before)
+                    hit = self._stop_across_cut(log, sp, before, seg.start)
                     await self._progress(on_progress, log, seg)
                     if hit is not None:
                         return hit
@@ -353,7 +353,8 @@ class ResumableGenerator:
             before = log.committed
             got = log.append(seg, out.get("output_ids", []), meta.get("output_token_logprobs"),
                              meta.get("weight_version"))
-            hit = self._stop_across_cut(log, seg, sp, before)
+            # Each chunk is its own engine request: the engine saw only this chunk's text.
+            hit = self._stop_across_cut(log, sp, before, before)
             await self._progress(on_progress, log, seg)
             if hit is not None:
                 return hit
@@ -363,11 +364,13 @@ class ResumableGenerator:
             if got == 0:
                 raise GenerateError(seg.url, "engine returned no tokens for a chunk")
 
-    def _stop_across_cut(self, log: ContextLog, seg: Segment, sp: dict, before: int) -> Optional[dict]:
-        """In a resumed segment, the first new token at which the combined output text holds a stop string
-        (the engine sees only its segment's text); truncates the log there and returns the finish reason."""
+    def _stop_across_cut(self, log: ContextLog, sp: dict, before: int, engine_start: int) -> Optional[dict]:
+        """When the engine's request began after `engine_start` > 0 committed tokens (a resumed segment, or
+        any chunk after the first in chunked mode), the first new token at which the combined output text
+        holds a stop string (the engine sees only its own output's text); truncates the log there and
+        returns the finish reason."""
         stops = stop_strings(sp)
-        if seg.start == 0 or not stops or self._tokenizer is None:
+        if engine_start == 0 or not stops or self._tokenizer is None:
             return None
         ids = log.output_ids
         width = max(len(x) for x in stops) + 8  # tokens: each decodes to at least one byte
