@@ -5,13 +5,10 @@ node is excluded on one slot's deaths (prints the figures README quotes)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import signal
-import time
 
 import httpx
+import pytest
 
 from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
 from belayer_plugin.generation.sglang_http import generate
@@ -28,104 +25,32 @@ def ev(kind, subject=None):
     return lambda e: e.kind == kind and (subject is None or e.subject == subject)
 
 
+# Cold restarts inside the burst take 10 s idle but over 60 s at load 30 (four sessions on two cores).
+@pytest.mark.timeout(600)
 async def test_burst_of_mixed_faults_loses_nothing_and_the_fleet_comes_back_with_its_standbys(tmp_path, tiny_model):
+    from belayer_plugin.soak import BURST_FAULTS, burst_round
+
     async with running_fleet(tmp_path, tiny_model, *BURST) as fm:
         async with httpx.AsyncClient() as c:
             golden = [(await generate(c, fm.slots["engine-1"].info.url,
                                       {"input_ids": p, "sampling_params": GREEDY}, 60))["output_ids"] for p in PROMPTS]
         gen = ResumableGenerator(FleetSelector(fm), fm.cfg.recovery, fm.events)
-        busy = {"engine-0": asyncio.Event(), "engine-1": asyncio.Event()}
-
-        def progress(clog, seg):
-            if clog.committed - seg.start >= 10 and seg.engine in busy:
-                busy[seg.engine].set()
-
-        gen.observers.append(progress)
-        done = asyncio.Event()
-        results: list[tuple[int, list[int]]] = []
-
-        async def worker(i: int) -> None:
-            n = 0
-            while not done.is_set() or n == 0:
-                k = (i + n) % len(PROMPTS)
-                _, resp = await gen.generate(f"w{i}-{n}", PROMPTS[k], GREEDY)
-                results.append((k, resp["output_ids"]))
-                n += 1
-
-        faults: list[dict] = []
-
-        async def fire(kind: str, slot: str, pid: int, sig: int, group: bool = True) -> float:
-            busy[slot].clear()
-            await asyncio.wait_for(busy[slot].wait(), 60)  # strike while it serves requests
-            t = time.time()
-            (os.killpg if group else os.kill)(pid, sig)
-            faults.append({"kind": kind, "slot": slot, "t": t})
-            return t
-
-        async def chaos() -> None:
-            s0, s1 = fm.slots["engine-0"], fm.slots["engine-1"]
-            t = await fire("server SIGKILL", "engine-0", s0.info.pid, signal.SIGKILL)
-            await fm.events.wait_for(ev("registered", "engine-0"), 60, since=t)
-            # the same slot again, well within the window: the budget's business, not the node's
-            t = await fire("server SIGKILL (same slot)", "engine-0", fm.slots["engine-0"].info.pid, signal.SIGKILL)
-            # Across slots only once engine-0 serves again: with both slots down at once, requests would wait
-            # for a cold restart (tens of seconds on this loaded machine), not for the fleet's policy.
-            await fm.events.wait_for(ev("registered", "engine-0"), 120, since=t)
-            t = await fire("server SIGSTOP (hang)", "engine-1", s1.info.pid, signal.SIGSTOP)
-            hung = s1.info.pid
-            await fm.events.wait_for(ev("detected", "engine-1"), 30, since=t)
-            await fm.events.wait_for(ev("registered", "engine-1"), 120, since=t)
-            try:
-                os.killpg(hung, signal.SIGCONT)  # fenced already: nothing left to resume
-            except ProcessLookupError:
-                pass
-            t = await fire("actor SIGKILL", "engine-1", fm.slots["engine-1"].info.actor_pid, signal.SIGKILL, group=False)
-            await fm.events.wait_for(ev("detected", "engine-1"), 30, since=t)
-            if fm.shadows.ready:
-                sh = fm.shadows.ready[0]
-                faults.append({"kind": "standby SIGKILL", "slot": sh.sid, "t": time.time()})
-                os.killpg(sh.info.pid, signal.SIGKILL)
-            done.set()
-
-        t0 = time.time()
-        await asyncio.gather(chaos(), *(worker(i) for i in range(4)))
-        burst_s = faults[-1]["t"] - faults[0]["t"]
-        assert burst_s < fm.cfg.shadow.fault_window_s
-        # No request lost, none changed.
-        assert results and all(ids == golden[k] for k, ids in results), "a request's ids differ from the golden run"
-        # Back to full strength, standbys included.
-        await fm.wait_all_healthy(180)
-        t_full = time.time()
-        deadline = time.monotonic() + 180
-        while True:
-            t = time.time()
-            if len(fm.shadows.ready) >= fm.cfg.shadow.num_standby:
-                break
-            left = deadline - time.monotonic()
-            assert left > 0, f"standbys not replaced: {len(fm.shadows.ready)} ready"
-            try:
-                await fm.events.wait_for(ev("shadow_ready"), left, since=t)
-            except TimeoutError:
-                pass
+        # The same round `belayer soak engines --burst` runs (on CPU engines or real SGLang).
+        fig = await burst_round(fm, gen, PROMPTS, GREEDY["max_new_tokens"], 4, golden)
+        print("BURST", json.dumps(fig))
+        assert fig["violations"] == [], fig["violations"]
+        # (the standby kill is skipped when no standby is ready yet at that point)
+        assert fig["faults"][:4] == list(BURST_FAULTS[:4]) and fig["burst_s"] < fm.cfg.shadow.fault_window_s
+        # No request lost, none changed; some were resumed mid-way.
+        assert fig["requests"] == fig["completed"] > 0 and fig["lost"] == fig["inconsistent"] == 0
+        assert fig["resumed"] >= 2
+        # Back to full strength, standbys included; one slot's repeated deaths excluded no node.
         assert fm.states() == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}
+        assert len(fm.shadows.ready) == fm.cfg.shadow.num_standby
         assert not fm.events.find(ev("node_excluded")) and not fm.excluded_nodes
-        assert not fm.events.find(ev("shadow_budget_spent"))
-        # Figures.
-        dets = []
-        for f in faults:
-            if f["slot"].startswith("engine"):
-                d = fm.events.find(lambda e, f=f: e.kind == "detected" and e.subject == f["slot"] and e.t >= f["t"])
-                dets.append(round(d[0].t - f["t"], 3))
-        hos = [e.figures["took_s"] for e in fm.events.find(lambda e: e.kind == "handover" and e.t >= t0)]
-        figures = {"faults": [f["kind"] for f in faults], "burst_s": round(burst_s, 1), "requests": len(results),
-                   "resumed": len(fm.events.find(lambda e: e.kind == "resumed" and e.t >= t0)),
-                   "detection_s": dets, "handovers": len(hos), "handover_s": hos,
-                   "cold_restarts": len(fm.events.find(lambda e: e.kind == "restarted" and e.t >= t0)),
-                   "backoffs": len(fm.events.find(lambda e: e.kind == "backoff" and e.t >= t0)),
-                   "exclusion_refusals": len(fm.events.find(ev("node_exclusion_refused"))),
-                   "full_strength_after_s": round(t_full - faults[-1]["t"], 1),
-                   "standbys_ready_after_s": round(time.time() - faults[-1]["t"], 1)}
-        print("BURST", json.dumps(figures))
-        assert len(dets) == 4 and max(dets[:2] + dets[3:]) < 2.0  # kills: Ray liveness, well under a second
+        assert not fm.events.find(ev("shadow_budget_spent")) and fig["retired"] == 0
+        dets = fig["detection_s"]
+        assert len(dets) == 4 and None not in dets
+        assert max(dets[:2] + dets[3:]) < 2.0  # kills: Ray liveness, well under a second
         m = fm.cfg.monitor
         assert dets[2] < m.probe_interval_s + m.failure_threshold * m.probe_timeout_s + 2.0  # the hang
