@@ -183,6 +183,8 @@ async def trial(fm: FleetManager, kind: str, sid: str, client: httpx.AsyncClient
         tasks.append(asyncio.create_task(router.run(client)))
     # a random phase of every periodic detector
     await asyncio.sleep(random.uniform(0, max(NEMO_RL["interval"], SLIME["interval"])))
+    if kind == "hang":
+        await under_load(fm, slot, client)
     pids = [slot.info.actor_pid] + ([slot.info.pid] if kind == "hang" else [])
     t0 = time.time()
     for p in pids:
@@ -215,6 +217,21 @@ def _progress_alarms(fm: FleetManager, since: float) -> list:
     """Suspicions raised by token progress since `since` (transitions with a progress signal)."""
     return [e for e in fm.events.events if e.t >= since and e.kind == "transition"
             and str(e.figures.get("signal", "")).startswith("progress_") and e.to_state in ("SUSPECT", "DEAD")]
+
+
+async def under_load(fm: FleetManager, slot: Any, client: httpx.AsyncClient, tokens: int = 64,
+                     timeout: float = 60.0) -> None:
+    """Waits until the victim streams: requests in flight and `tokens` more generated (a hang *under load*;
+    a victim restarted a moment ago may have no request yet). Bounded; the engine offers no event to await."""
+    url = f"{slot.info.url}/get_server_info"
+    base = (await client.get(url, timeout=5)).json()["belayer_counters"]["generated_tokens"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        n = (await client.get(url, timeout=5)).json()["belayer_counters"]["generated_tokens"]
+        if slot.rids and n - base >= tokens:
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{slot.slot_id} did not stream {tokens} tokens within {timeout:g} s")
 
 
 def fmt(x: Optional[float]) -> str:
