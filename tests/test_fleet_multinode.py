@@ -1,5 +1,6 @@
 """Multi-node Ray (ray.cluster_utils.Cluster: a head and two more raylets on this machine): a node lost
-under load, spread standbys, node exclusion on real node evidence and never on two kills of one slot.
+under load, spread standbys, node exclusion on real node evidence and never on two kills of one slot; then
+a node hosting a single position (a standby) lost, which only Ray's report of the dead node can condemn.
 
 The cluster needs its own Ray driver, so the scenario runs as a subprocess (this file as a script) and
 the session's shared Ray cluster is untouched.
@@ -17,11 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[54, 280, 487, 423, 442], [60, 61, 62], [100, 200, 300, 400]]
 GREEDY = {"max_new_tokens": 120, "temperature": 0.0, "ignore_eos": True}
 
 
+@pytest.mark.timeout(900)
 def test_a_node_lost_under_load_is_excluded_its_slots_move_and_no_request_is_lost(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     p = subprocess.run([sys.executable, __file__, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
@@ -31,6 +35,7 @@ def test_a_node_lost_under_load_is_excluded_its_slots_move_and_no_request_is_los
     fig = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("MULTINODE "))[10:])
     print("MULTINODE", json.dumps(fig))
     assert fig["requests"] > 0 and fig["lost"] == 0
+    assert fig["ray_dead_reason"].startswith("Ray reports node") and fig["ray_dead_requests"] == len(PROMPTS)
 
 
 def ev(kind, subject=None):
@@ -122,10 +127,92 @@ async def scenario(run_dir: Path, tiny_model: str) -> dict:
                 pass
         assert all(sh.info.node_id != a for sh in fm.shadows.ready)
         fig["standby_nodes_after"] = len({sh.info.node_id for sh in fm.shadows.ready})
+        fig.update(await lose_a_node_ray_alone_can_condemn(cluster, fm, gen, golden))
+        # Nothing else was condemned along the way (B lived through two kills of one slot and the rest).
+        excluded = {e.subject: e.reason for e in fm.events.find(ev("node_excluded"))}
+        assert set(excluded) == {a, fig["ray_dead_node"]}, excluded
         fig["exclusions"] = len(fm.events.find(ev("node_excluded")))
     finally:
         await fm.shutdown()
     return fig
+
+
+async def lose_a_node_ray_alone_can_condemn(cluster, fm, gen, golden) -> dict:
+    """A new node C hosting one position only (a standby) is lost while requests run on the other nodes. One
+    death is never node evidence by itself (fleet/nodes.py), so C's exclusion can come only from Ray
+    reporting the node dead; the standby is rebuilt elsewhere and no request is lost."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_c = await asyncio.to_thread(_add_node_off_main_thread, cluster)
+    c = node_c.node_id
+    pinned: list[str] = []
+
+    def onto_c(sid: str) -> dict:  # the next standby goes to C; everything else is placed by Belayer
+        if sid.startswith("shadow") and not pinned:
+            pinned.append(sid)
+            return {"scheduling_strategy": NodeAffinitySchedulingStrategy(c, soft=False)}
+        return {}
+
+    fm.actor_options = onto_c
+    t = time.time()
+    # One more standby, built on C (a kill to make room would be a death on another node: evidence there).
+    fm.shadows.cfg.num_standby = 3
+    fm.shadows.replenish()
+    deadline = time.monotonic() + 180
+    while not any(sh.info.node_id == c for sh in fm.shadows.ready):
+        assert time.monotonic() < deadline, "no standby was built on node C"
+        try:
+            await fm.events.wait_for(ev("shadow_ready"), max(1.0, deadline - time.monotonic()), since=t)
+        except TimeoutError:
+            pass
+        t = time.time()
+    fm.actor_options = None
+    fm.shadows.cfg.num_standby = 2  # back to the pool's size: losing C's standby leaves it full
+    on_c = [sh.sid for sh in fm.shadows.ready if sh.info.node_id == c]
+    assert on_c == pinned and all(s.info.node_id != c for s in fm.slots.values())
+
+    results: list[tuple[int, list[int]]] = []
+
+    async def requests() -> None:
+        for k in range(len(PROMPTS)):
+            _, resp = await gen.generate(f"c-{k}", PROMPTS[k], GREEDY)
+            results.append((k, resp["output_ids"]))
+
+    t = time.time()
+    load = asyncio.create_task(requests())
+    await asyncio.to_thread(cluster.remove_node, node_c, False)
+    exc = await fm.events.wait_for(lambda e: e.kind == "node_excluded" and e.subject == c, 60, since=t)
+    await asyncio.wait_for(load, 120)
+    assert exc.reason == f"Ray reports node {c[:12]} dead", exc.reason
+    deaths_on_c = [e for e in fm.events.find(ev("shadow_lost")) if e.t >= t and e.subject in on_c]
+    assert {e.subject for e in deaths_on_c} == set(on_c), "C hosted one position: its loss alone is no node evidence"
+    assert not fm.events.find(lambda e: e.kind == "node_excluded" and e.subject == c and "different slots" in e.reason)
+    assert c in fm.exclusions() and "Ray reports" in fm.exclusions()[c]
+    assert all(ids == golden[k] for k, ids in results) and len(results) == len(PROMPTS)
+    assert fm.states() == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}
+    assert len(fm.shadows.ready) >= 2, "the standbys on the other nodes were lost with C"
+    assert all(sh.info.node_id != c for sh in fm.shadows.ready)
+    return {"ray_dead_node": c, "ray_dead_excluded_s": round(exc.t - t, 2), "ray_dead_reason": exc.reason,
+            "ray_dead_requests": len(results)}
+
+
+def _add_node_off_main_thread(cluster):
+    """cluster.add_node from a worker thread, so the fleet's event loop keeps running (a blocked loop reads
+    as a hang to the fleet). Ray installs signal handlers for the new node's processes, which only the main
+    thread may do; they are not needed in this test driver."""
+    import signal as sig
+    import threading
+
+    orig = sig.signal
+
+    def quiet(signum, handler):
+        return orig(signum, handler) if threading.current_thread() is threading.main_thread() else sig.getsignal(signum)
+
+    sig.signal = quiet
+    try:
+        return cluster.add_node(num_cpus=1)
+    finally:
+        sig.signal = orig
 
 
 CLUSTER = None

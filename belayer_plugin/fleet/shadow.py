@@ -124,6 +124,9 @@ class ShadowPool:
                 self.fleet.check_node(sh.info.node_id)  # unreachable: maybe its node is gone
         if sh in self.ready:
             self.fleet.note_death(sh.info.node_id, sh.sid, 0)
+            # As for engines: any standby death asks Ray (bounded) whether its node is gone; a lost node's
+            # actors can also surface as ActorDiedError, never as ActorUnavailableError.
+            self.fleet.check_node(sh.info.node_id)
             self.ready.remove(sh)
             self._kill(sh.actor)
             self.fleet.events.emit("shadow", sh.sid, "shadow_lost", reason, level="warning", pool=len(self.ready))
