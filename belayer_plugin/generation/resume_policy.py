@@ -22,7 +22,9 @@ a `resume_refused` event naming the reason, as Dynamo does for guided decoding):
 `n > 1` is rejected up front: each of the n sequences is its own request (send n requests, with seeds).
 
 Checked on real SGLang 0.5.23 on CPU (tests/test_sglang_sampling.py): greedy, logit_bias, min_new_tokens,
-stop_token_ids and a stop string straddling the cut resume with the fault-free ids; with each penalty the
+stop_token_ids and stop strings resume with the fault-free ids (in a stream SGLang withholds tokens that could
+begin a stop string, so a cut lands before it; in chunked mode one straddles a chunk boundary, with or
+without a failure there); with each penalty the
 plain continuation from prompt + committed ids gives other ids than the fault-free run (so refusing is
 needed), and the retry from the prompt gives the fault-free ids. Sampled requests (temperature > 0) are
 resumed, not refused: on CPU SGLang cannot run deterministic inference (it refuses the torch_native attention
