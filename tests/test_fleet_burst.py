@@ -46,6 +46,9 @@ async def test_burst_of_mixed_faults_loses_nothing_and_the_fleet_comes_back_with
         assert fig["resumed"] >= 2
         # Back to full strength, standbys included; one slot's repeated deaths excluded no node.
         assert fm.states() == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}
+        # Every request has ended: no slot keeps phantom load from requests that died with an incarnation
+        # (least-loaded picks would skip a replacement that inherited them).
+        assert {s.slot_id: s.inflight for s in fm.slots.values()} == {"engine-0": 0, "engine-1": 0}
         assert len(fm.shadows.ready) == fm.cfg.shadow.num_standby
         assert not fm.events.find(ev("node_excluded")) and not fm.excluded_nodes
         assert not fm.events.find(ev("shadow_budget_spent")) and fig["retired"] == 0

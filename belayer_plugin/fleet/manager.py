@@ -409,7 +409,10 @@ class FleetManager:
                 # or from Ray itself, asked (bounded) whether the node is still alive.
                 self.note_death(s.info.node_id, slot_id, incarnation, frozenset(s.rids))
                 self.check_node(s.info.node_id)
+            # Its requests died with it: their releases name this incarnation and no longer count here, so
+            # the next incarnation starts at 0 in flight (else least-loaded picks skip it for phantom load).
             s.rids = set()
+            s.inflight = 0
             first_seen = s.fault_t or time.time()
             self.events.emit("monitor", slot_id, "detected", reason, level="warning", signal=sig.value,
                              incarnation=incarnation, phase=self.phase.value,

@@ -98,7 +98,8 @@ class FleetSelector:
 
     def _slot(self, target: Target) -> Any:
         slot = self.fleet.slots.get(target.engine)
-        if slot is not None and slot.info is not None and slot.info.url == target.url:
+        if slot is not None and slot.info is not None and slot.info.url == target.url \
+                and slot.health.incarnation == target.incarnation:
             return slot
         return None
 
