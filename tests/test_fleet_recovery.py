@@ -116,8 +116,17 @@ async def test_sigkill_while_memory_released_replacement_joins_released_then_ser
         async with httpx.AsyncClient() as c:
             info = await get_json(c, fm.slots["engine-0"].info.url, "/get_server_info", 5)
         assert info["memory_released"] is True, "the replacement must join in the fleet's phase"
+        # The step's refit resumes the weights only; resume() must then ask for the KV cache alone: asking
+        # for weights again kills a real SGLang 0.5.23 scheduler (the CPU engine refuses it and counts it).
+        assert set((await fm.refit(tiny_model, "v1")).values()) == {"v1"}
         await fm.resume()
         await _assert_routable(fm, "engine-0")
+        async with httpx.AsyncClient() as c:
+            for s in fm.slots.values():
+                info = await get_json(c, s.info.url, "/get_server_info", 5)
+                assert info["belayer_counters"]["resume_not_released"] == 0, (s.slot_id, info["belayer_counters"])
+                assert info["memory_released"] is False
+        assert not fm.events.find(lambda e: e.kind == "resume_failed")
 
 
 async def test_paused_engines_with_released_memory_are_never_killed(tmp_path, tiny_model):

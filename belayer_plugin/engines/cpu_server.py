@@ -48,6 +48,9 @@ _UNSUPPORTED_WHEN_SET = {"return_hidden_states", "return_entropy", "return_bytes
                          "image_data", "video_data", "audio_data", "input_embeds", "token_ids_logprob"}
 
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
+
+
 class BadRequest(ValueError):
     """A malformed /generate body; answered with HTTP 400 and this message."""
 
@@ -150,6 +153,7 @@ class Engine:
         self.model: Any = None
         self.tokenizer: Any = None
         self.released = False
+        self.released_tags: set[str] = set()  # SGLang's offload tags held released (MEMORY_TAGS)
         self.paused = False
         # Tensors a trainer streamed in (/update_weights_from_tensor), applied over weights_path whenever the
         # model is (re)loaded: they survive a memory release like SGLang's cpu_weight_backup.
@@ -158,7 +162,7 @@ class Engine:
         self.running: list[Request] = []
         self.by_rid: dict[str, Request] = {}
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "health_tokens": 0, "aborted": 0,
-                         "weight_updates": 0, "steps": 0}
+                         "weight_updates": 0, "steps": 0, "resume_not_released": 0}
         self._wake = asyncio.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="belayer-model")
         self._lock = asyncio.Lock()  # held by the scheduler step and by weight/memory changes
@@ -564,8 +568,8 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
                 raise BadRequest("weight_version must be a string")
         except BadRequest as e:
             return _bad(str(e))
-        if eng.released:
-            return _bad("engine memory is released; resume it before updating weights", 409)
+        if "weights" in eng.released_tags or eng.model is None:  # the KV cache may stay released (SGLang too)
+            return _bad("engine weights are released; resume them before updating weights", 409)
         try:
             await eng.update_weights(body["model_path"], version)
         except (OSError, ValueError) as e:
@@ -592,8 +596,8 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
                 named.update(decode_cpu_bucket(entry))
         except BadRequest as e:
             return _bad(str(e))
-        if eng.released:
-            return _bad("engine memory is released; resume it before updating weights", 409)
+        if "weights" in eng.released_tags or eng.model is None:  # the KV cache may stay released (SGLang too)
+            return _bad("engine weights are released; resume them before updating weights", 409)
         try:
             await eng.update_weights_from_tensors(named, version)
         except (ValueError, RuntimeError) as e:
@@ -611,14 +615,44 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
         eng.weight_version = body["new_version"]
         return web.json_response({"success": True, "weight_version": eng.weight_version})
 
+    async def _tags(request: web.Request) -> set[str]:
+        try:
+            body = await request.json() if request.can_read_body else {}
+        except json.JSONDecodeError:
+            raise BadRequest("body is not valid JSON") from None
+        tags = body.get("tags") if isinstance(body, dict) else None
+        if tags is None or tags == []:
+            return set(MEMORY_TAGS)  # SGLang: no tags means all of them
+        if not isinstance(tags, list) or not set(tags) <= set(MEMORY_TAGS):
+            raise BadRequest(f"tags must be a list drawn from {list(MEMORY_TAGS)}")
+        return set(tags)
+
     @routes.post("/release_memory_occupation")
-    async def release(_: web.Request) -> web.Response:
+    async def release(request: web.Request) -> web.Response:
+        try:
+            tags = await _tags(request)
+        except BadRequest as e:
+            return _bad(str(e))
+        eng.released_tags |= tags
         await eng.release_memory()
         return web.json_response({"success": True})
 
     @routes.post("/resume_memory_occupation")
-    async def resume(_: web.Request) -> web.Response:
-        await eng.resume_memory()
+    async def resume(request: web.Request) -> web.Response:
+        try:
+            tags = await _tags(request)
+        except BadRequest as e:
+            return _bad(str(e))
+        if not tags <= eng.released_tags:
+            # SGLang 0.5.23's scheduler dies on this (KeyError in offload_tags.remove): refused and counted
+            # here, so tests on this engine catch a caller that would crash a real SGLang server.
+            eng.counters["resume_not_released"] += 1
+            return _bad(f"tags {sorted(tags - eng.released_tags)} are not released "
+                        f"(released: {sorted(eng.released_tags)}); SGLang's scheduler dies on this")
+        eng.released_tags -= tags
+        if "weights" not in eng.released_tags:
+            await eng.resume_memory()  # weights resident again (a refit may load new ones before the KV cache)
+        eng.released = bool(eng.released_tags)  # generation waits for every tag, as on SGLang
         return web.json_response({"success": True})
 
     @routes.post("/pause_generation")

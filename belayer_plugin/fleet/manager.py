@@ -71,6 +71,9 @@ class Slot:
     handover_t: Optional[float] = None  # when a shadow last took this slot over (monotonic)
     rids: set[str] = field(default_factory=set)  # requests in flight on the current incarnation
     draining: bool = False  # planned drain under way: not routable, and its signals are no faults
+    # Memory tags this incarnation has released and not resumed. SGLang's scheduler dies (KeyError) when asked
+    # to resume a tag it does not hold released, e.g. "weights" again after a refit already resumed them.
+    released: set[str] = field(default_factory=set)
     _inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no request is in flight here
 
@@ -478,6 +481,7 @@ class FleetManager:
         s.actor = cls.remote(s.slot_id, self.cfg.engines, self.engine_model_path, str(self.run_dir / "engines"))
         try:
             s.info = await s.actor.start.remote()
+            s.released = set()
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, EngineStartError) as e:
             cause = e.as_instanceof_cause() if isinstance(e, ray.exceptions.RayTaskError) else e
             self.events.emit("fleet", s.slot_id, "start_failed", str(cause)[:500], level="error")
@@ -517,9 +521,10 @@ class FleetManager:
         """Loads `want` into the engine and checks the version it then reports; False if it failed."""
         path = want.path or self.engine_model_path
         try:
-            if self.memory_released:
+            if "weights" in s.released:
                 # Weights must be resident to be replaced (SGLang: resume the weights, not yet the KV cache).
                 await s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
+                s.released.discard("weights")
             # Bounded: a hung engine must not hold the refit (and the whole step) hostage.
             r = await asyncio.wait_for(s.actor.call.remote(
                 "POST", "/update_weights_from_disk", {"model_path": path, "weight_version": want.version},
@@ -542,6 +547,7 @@ class FleetManager:
         if self.memory_released and self.phase is not Phase.REFIT:
             try:
                 await s.actor.call.remote("POST", "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
+                s.released = {"kv_cache", "weights"}
             except Exception as e:  # it died again: Ray liveness reports it and recovery goes on
                 self.events.emit("fleet", s.slot_id, "release_failed", f"{type(e).__name__}"[:200], level="warning")
 
@@ -633,6 +639,7 @@ class FleetManager:
         await self._apply(s, Signal.RESTART_BEGUN, f"handover to {sh.sid}")
         # External weights: the standby keeps what it has and the slot stays STALE until the trainer's refit.
         s.actor, s.info, s.served_version = sh.actor, sh.info, version if want.external else want.version
+        s.released = set()  # a standby released while idle was resumed above
         s.rids = set()
         self.monitor.watch(s.slot_id, s.health.incarnation, s.actor, s.info.url)
         await self._apply(s, Signal.STARTED, f"{sh.sid} at {sh.info.url}")
@@ -657,11 +664,24 @@ class FleetManager:
         self.phase = Phase.RELEASED if release_memory else Phase.PAUSED
         self.memory_released = release_memory
         if release_memory:
-            await asyncio.gather(*(s.actor.call.remote("POST", "/release_memory_occupation",
-                                                       {"tags": ["kv_cache", "weights"]})
-                                   for s in self.slots.values() if s.actor is not None and s.health.serving),
-                                 return_exceptions=True)
+            await asyncio.gather(*(self._release(s, ["kv_cache", "weights"]) for s in self.slots.values()
+                                   if s.actor is not None and s.health.serving), return_exceptions=True)
         self.events.emit("fleet", "fleet", "phase", self.phase.value)
+
+    async def _release(self, s: Slot, tags: list[str]) -> None:
+        await s.actor.call.remote("POST", "/release_memory_occupation", {"tags": tags})
+        s.released.update(tags)
+
+    async def _resume_tags(self, s: Slot, tags: list[str]) -> None:
+        """Resumes those of `tags` that this engine holds released (never one it does not: see Slot.released)."""
+        want = [t for t in tags if t in s.released]
+        if want:
+            r = await s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": want})
+            if r.get("status") != 200:
+                self.events.emit("fleet", s.slot_id, "resume_failed", f"tags {want}: HTTP {r.get('status')}",
+                                 level="warning", tags=want)
+                return
+            s.released.difference_update(want)
 
     async def resume(self) -> None:
         """Back to serving: resumes memory where released, then readiness probes."""
@@ -670,10 +690,8 @@ class FleetManager:
     async def _back_to_serving(self, tags: list[str]) -> None:
         """Resumes the released memory named by `tags` (where it was released), then serving with readiness
         probes. The `phase` event carries the tags resumed."""
-        if self.memory_released:
-            await asyncio.gather(*(s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": tags})
-                                   for s in self.slots.values() if s.actor is not None and s.info is not None),
-                                 return_exceptions=True)
+        await asyncio.gather(*(self._resume_tags(s, tags) for s in self.slots.values()
+                               if s.actor is not None and s.info is not None), return_exceptions=True)
         self.phase = Phase.SERVING
         self.memory_released = False
         if self.ft:
@@ -765,10 +783,8 @@ class FleetManager:
         self.raise_if_fatal()
         self.phase = Phase.REFIT
         self.monitor.pause()
-        if self.memory_released:
-            await asyncio.gather(*(s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
-                                   for s in self.slots.values() if s.actor is not None and s.info is not None),
-                                 return_exceptions=True)
+        await asyncio.gather(*(self._resume_tags(s, ["weights"]) for s in self.slots.values()
+                               if s.actor is not None and s.info is not None), return_exceptions=True)
         self.events.emit("fleet", "fleet", "phase", self.phase.value, tags=["weights"])
 
     async def adopt_version(self, version: str, slot_ids: Iterable[str]) -> dict[str, str]:
