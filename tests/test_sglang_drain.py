@@ -11,6 +11,7 @@ not by engine counters as on the CPU engine.) Skipped only when .venv-sglang is 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import pytest_asyncio
@@ -22,7 +23,11 @@ from tests.conftest import belayer_cfg
 from tests.test_sglang_engine import needs_sglang
 from tests.test_sglang_fleet import SGLANG, _engine_processes, _running, _until_gone
 
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(400),
+              # Two more SGLang starts do not fit CI's time limit on 2 cores: `bash .ci/test.sh --full` runs it;
+              # CI runs the drain on CPU engines behind the real router (tests/test_fleet_drain.py).
+              pytest.mark.skipif(os.environ.get("BELAYER_FULL_SUITE", "") != "1",
+                                 reason="full suite only (bash .ci/test.sh --full); CI runs tests/test_fleet_drain.py")]
 
 N = 64
 GREEDY = {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}
