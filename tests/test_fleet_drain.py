@@ -33,7 +33,11 @@ CFG = ["belayer.use_fault_tolerance=true", "belayer.engines.num_engines=3", "bel
        "belayer.monitor.failure_threshold=3", "belayer.monitor.boot_grace_s=30",
        "belayer.monitor.liveness_timeout_s=2", "belayer.router.membership_timeout_s=10",
        "belayer.recovery.stall_timeout_s=20", "belayer.engines.cpu_step_delay_ms=4",
-       "belayer.engines.drain_timeout_s=20"]
+       "belayer.engines.drain_timeout_s=20",
+       # These tests claim that planned changes raise no fault signal; on 2 loaded cores the engines starve
+       # for ~1 s at times and token-progress detection (floor 0.8 s) rightly suspects them for a moment.
+       # Progress detection and its false alarms are tested in tests/test_fleet_progress.py.
+       "belayer.monitor.progress.floor_s=5"]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
