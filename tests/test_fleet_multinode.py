@@ -58,7 +58,12 @@ async def scenario(run_dir: Path, tiny_model: str) -> dict:
     cfg = belayer_cfg(*FAST, "belayer.shadow.num_standby=2", "belayer.shadow.placement=spread",
                       "belayer.shadow.shared_weights=false", "belayer.engines.cpu_step_delay_ms=2",
                       "belayer.recovery.stall_timeout_s=5", "belayer.shadow.fault_window_s=120",
-                      "belayer.restart.node_check_timeout_s=30", "belayer.monitor.liveness_timeout_s=1")
+                      "belayer.restart.node_check_timeout_s=30", "belayer.monitor.liveness_timeout_s=1",
+                      # Deaths here come from kills and a removed node (Ray liveness, Ray's node report); the
+                      # readiness probes only need to tolerate CI's contention (a 0.5 s probe timeout there
+                      # falsely killed a handed-over engine, and the second slot's death then excluded a node).
+                      "belayer.monitor.probe_timeout_s=3", "belayer.monitor.failure_threshold=3",
+                      "belayer.monitor.progress.floor_s=5")
     fm = FleetManager(cfg, run_dir, EventLog(run_dir / "events.jsonl"), model_path=tiny_model)
     pins = {"engine-0": a, "engine-1": b}
     used: set[str] = set()
