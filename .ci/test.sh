@@ -13,11 +13,11 @@ if [ "${1:-}" = --full ]; then export BELAYER_FULL_SUITE=1; shift; fi
 PY=.venv/bin/python
 out=$(mktemp -d /tmp/belayer-tests-XXXXXX)
 echo "[test.sh] logs and per-test times (a.times, b.times) in $out"
-# Half A: sandboxes, containers and the chaos scripts (subprocess runs of the main job).
-# Measured in a clean clone on 2026-12-01 (per-test times): A ~39 min, B ~37 min with the real-SGLang
-# modules (each SGLang start ~50 s under the other half's load).
+# Half A: sandboxes, containers and the chaos scripts (subprocess runs of the main job), fleet recovery.
+# Measured in a clean clone on 2026-12-01 (per-test times): A 41 min (its last 4 min alone), B 37.5 min;
+# test_fleet_recovery.py (~6.5 min) sits in A for that balance.
 A=(tests/test_functional.py tests/test_fork_groups.py tests/test_soak.py tests/test_fuzz_checkpoint.py
-   $(ls tests/test_sandbox_*.py))
+   $(ls tests/test_sandbox_*.py) tests/test_fleet_recovery.py)
 B=()
 for f in tests/test_*.py; do
   case " ${A[*]} " in *" $f "*) ;; *) B+=("$f") ;; esac
