@@ -175,7 +175,7 @@ class ReferenceLoop:
             from dataclasses import replace
 
             recovery = replace(recovery, max_attempts=1)  # no resume: a failed request is lost
-        gen: Any = ResumableGenerator(FleetSelector(self.fleet), recovery, self.events)
+        gen: Any
         if not cfg.use_fault_tolerance and not cfg.chaos.enabled and self.fleet.url:
             # Off means off: a plain client through sglang-router, no Belayer code in the request path (the
             # baseline of bench/overhead.py). A chaos run keeps the generator: its token triggers need the
@@ -183,6 +183,8 @@ class ReferenceLoop:
             from belayer_plugin.generation.plain import PlainGenerator
 
             gen = PlainGenerator(self.fleet.url, cfg.router.request_timeout_s)
+        else:
+            gen = ResumableGenerator(FleetSelector(self.fleet), recovery, self.events)
         if cfg.chaos.enabled:
             from belayer_plugin.chaos.injector import ChaosInjector
 

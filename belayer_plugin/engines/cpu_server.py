@@ -616,10 +616,7 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
         return web.json_response({"success": True, "weight_version": eng.weight_version})
 
     async def _tags(request: web.Request) -> set[str]:
-        try:
-            body = await request.json() if request.can_read_body else {}
-        except json.JSONDecodeError:
-            raise BadRequest("body is not valid JSON") from None
+        body = await _json_body(request) if request.can_read_body else {}
         tags = body.get("tags") if isinstance(body, dict) else None
         if tags is None or tags == []:
             return set(MEMORY_TAGS)  # SGLang: no tags means all of them

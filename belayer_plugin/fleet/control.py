@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from aiohttp import web
 
+from belayer_plugin.http_serve import start_app
+
 if TYPE_CHECKING:
     from belayer_plugin.fleet.manager import FleetManager
 
@@ -44,12 +46,7 @@ class ControlServer:
         app.add_routes([web.get("/fleet", self._status), web.post("/drain", self._drain),
                         web.post("/scale_in", self._scale_in), web.post("/scale_out", self._scale_out),
                         web.post("/rolling_upgrade", self._upgrade)])
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://{self.host}:{port}"
+        self._runner, self.url = await start_app(app, self.host, self.port)
         return self.url
 
     async def stop(self) -> None:

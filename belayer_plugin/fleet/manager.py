@@ -546,8 +546,7 @@ class FleetManager:
         """A replacement joins in the fleet's phase (e.g. memory released while the trainer trains)."""
         if self.memory_released and self.phase is not Phase.REFIT:
             try:
-                await s.actor.call.remote("POST", "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
-                s.released = {"kv_cache", "weights"}
+                await self._release(s, ["kv_cache", "weights"])
             except Exception as e:  # it died again: Ray liveness reports it and recovery goes on
                 self.events.emit("fleet", s.slot_id, "release_failed", f"{type(e).__name__}"[:200], level="warning")
 

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from belayer_plugin.generation.context_log import ContextLog, Segment
 from belayer_plugin.generation.resumable import RequestFailedError, ResumableGenerator
+from belayer_plugin.http_serve import start_app
 
 log = logging.getLogger("belayer.front")
 
@@ -161,12 +162,7 @@ class GenerationFront:
         """Starts serving; returns the front's URL."""
         # Load the tokenizer now, off the loop: loading it lazily stalled every stream of the first request.
         await asyncio.get_running_loop().run_in_executor(None, lambda: self.tokenizer)
-        self._runner = web.AppRunner(self.app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # the port bound when 0 was asked
-        self.url = f"http://{self.host}:{port}"
+        self._runner, self.url = await start_app(self.app(), self.host, self.port)
         return self.url
 
     async def stop(self) -> None:
