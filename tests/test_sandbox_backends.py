@@ -152,6 +152,25 @@ def test_restore_continues_in_memory_state_in_fresh_container_and_drops_later_fi
     assert any(e["kind"] == "restore" and e["processes_restored"] for e in events)
 
 
+def test_restores_right_after_the_checkpoint_and_side_by_side_all_succeed(backend, sandbox, tmp_path, criu_ok):
+    # On Docker both used to fail now and then: the restore's upload collided in containerd's content store
+    # with the checkpoint's own tar (not yet garbage-collected) or with a concurrent restore of the same one.
+    from belayer_plugin.sandbox.fork import fork_sandboxes
+
+    setup_stated(sandbox)
+    for i in (1, 2):
+        assert sandbox.exec(action(i)["command"]).exit_code == 0
+    store = CheckpointStore(tmp_path)
+    ck = full_checkpoint(sandbox, 2, store, "traj", mode="full")
+    for rnd in range(2):
+        branches = fork_sandboxes(ck, backend, 3, store=store, workers=3, sandbox_ids=[f"r{rnd}b{i}" for i in range(3)])
+        try:
+            assert [query_state(b) for b in branches] == [golden_state(2)] * 3
+        finally:
+            for b in branches:
+                b.close()
+
+
 def test_without_criu_checkpoints_are_file_system_only_and_say_so(backend, busybox_image, tmp_path, request):
     if backend.name == "podman":
         from belayer_plugin.sandbox.podman import PodmanBackend

@@ -11,6 +11,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 ROOTFS_FILE = "rootfs-diff.tar"
 CRIU_DIR = "criu"
 CKPT_ID = "belayer"  # docker wants checkpoint ids of >= 2 characters
+RESTORE_NONCE = "belayer-restore-nonce"
 
 
 def _docker():
@@ -130,9 +132,9 @@ class DockerBackend:
     """Docker through the SDK. Checkpoint = freeze, tar of the upper dir, CRIU dump (leave running), thaw."""
 
     name = "docker"
-    # Concurrent restores of one checkpoint race in containerd's content store ("commit failed: content
-    # ... already exists"): fork restores one at a time on Docker.
-    parallel_restores = False
+    # Each restore uploads a tar that differs from every other (RESTORE_NONCE), so restores of one
+    # checkpoint can run side by side without colliding in containerd's content store.
+    parallel_restores = True
 
     def __init__(self, base_url: Optional[str] = None, criu_path: str = "", client_timeout_s: float = 600.0):
         docker = _docker()
@@ -350,6 +352,12 @@ class DockerBackend:
             dst = self.data_root / "containers" / cid / "checkpoints" / CKPT_ID
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(ckdir / CRIU_DIR / CKPT_ID, dst)
+            # Why a nonce: dockerd tars this directory into containerd's content store, keyed by digest, and
+            # fails on a digest that is already there ("commit failed: content sha256:...: already exists").
+            # The tar containerd made at checkpoint time has the same digest (copytree keeps the mtimes) and
+            # stays in the store until containerd's GC runs, and concurrent restores of one checkpoint upload
+            # the same bytes; a file of our own makes every upload unique. CRIU ignores files it does not know.
+            (dst / RESTORE_NONCE).write_text(uuid.uuid4().hex)
             saved, self.api.timeout = self.api.timeout, timeout_s
             try:
                 # _post applies the client's timeout (a bare Session.post would wait forever)
