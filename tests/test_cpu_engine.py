@@ -72,6 +72,29 @@ async def test_streaming_and_plain_give_the_same_ids_and_logprobs(cpu_server):
     assert [t[1] for t in plain["meta_info"]["output_token_logprobs"]] == plain["output_ids"]
 
 
+async def test_streamed_text_is_decoded_incrementally_and_equals_the_full_decode(cpu_server, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    sp = {**GREEDY, "max_new_tokens": 200}
+    chunks = await _stream(cpu_server.url, PROMPT, sp)
+    assert len(chunks) > 2
+    for ch in chunks:  # every chunk: the text of the ids it carries, bar an unfinished last character
+        full = tok.decode(ch["output_ids"], skip_special_tokens=True)
+        assert full.startswith(ch["text"]) and len(full) - len(ch["text"]) <= 4, (ch["text"], full)
+    plain = await _gen(cpu_server.url, PROMPT, sp)
+    assert chunks[-1]["text"] == plain["text"] and chunks[-1]["output_ids"] == plain["output_ids"]
+
+
+def test_a_reader_that_falls_behind_parses_only_the_newest_cumulative_chunk():
+    from belayer_plugin.generation.sglang_http import newest_event
+
+    assert newest_event(b'data: {"a":1}\n\ndata: {"a":2}\n\ndata: {"a') == (b'{"a":2}', False, b'data: {"a')
+    assert newest_event(b'data: {"a') == (None, False, b'data: {"a')
+    assert newest_event(b'data: {"a":2}\r\n\r\ndata: [DONE]\r\n\r\n') == (b'{"a":2}', True, b"")
+    assert newest_event(b": keep-alive\n\n") == (None, False, b"")
+
+
 async def test_logprobs_match_transformers(cpu_server, tiny_model):
     import torch
     from transformers import AutoModelForCausalLM

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import orjson
 from aiohttp import web
 
 log = logging.getLogger("belayer.cpu_engine")
@@ -135,6 +136,12 @@ class Request:
     finish_reason: Optional[dict] = None
     created: float = field(default_factory=time.time)
     weight_version: str = ""
+    # Incremental detokenization of the streamed text (like SGLang's detokenizer): text_ids[:text_read]
+    # are in `text`; text_prefix is where the last decode window started (a multi-byte character may span
+    # tokens, so the window keeps a few settled ids of context).
+    text: str = ""
+    text_prefix: int = 0
+    text_read: int = 0
 
 
 class Engine:
@@ -191,6 +198,20 @@ class Engine:
     @property
     def eos_id(self) -> Optional[int]:
         return self.tokenizer.eos_token_id
+
+    def stream_text(self, req: Request) -> str:
+        """The request's text so far, decoding only the ids added since the last call (not all of them)."""
+        ids = req.output_ids
+        if req.text_read < len(ids):
+            dec = getattr(self.tokenizer, "backend_tokenizer", None)
+            decode = dec.decode if dec is not None else self.tokenizer.decode
+            settled = decode(ids[req.text_prefix:req.text_read], skip_special_tokens=True)
+            window = decode(ids[req.text_prefix:], skip_special_tokens=True)
+            # An unfinished UTF-8 sequence decodes to U+FFFD: wait for the token that completes it.
+            if len(window) > len(settled) and not window.endswith("\ufffd"):
+                req.text += window[len(settled):]
+                req.text_prefix, req.text_read = req.text_read, len(ids)
+        return req.text
 
     def submit(self, req: Request) -> None:
         if req.rid in self.by_rid:
@@ -372,7 +393,7 @@ class Engine:
         self._wake.set()
 
 
-def _response(eng: Engine, req: Request) -> dict:
+def _response(eng: Engine, req: Request, text: Optional[str] = None) -> dict:
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": req.finish_reason,
@@ -384,7 +405,9 @@ def _response(eng: Engine, req: Request) -> dict:
     }
     if req.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
-    return {"text": eng.tokenizer.decode(req.output_ids, skip_special_tokens=True), "output_ids": list(req.output_ids), "meta_info": meta}
+    if text is None:  # the final answer: one full decode, exactly what a non-streaming request gets
+        text = eng.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
 
 def _parse_generate(eng: Engine, body: Any) -> Request:
@@ -502,11 +525,11 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
                 item = await req.queue.get()
                 # SGLang's chunks are cumulative: every chunk carries all ids so far.
                 if item is None:
-                    await resp.write(f"data: {json.dumps(_response(eng, req))}\n\n".encode())
-                    await resp.write(b"data: [DONE]\n\n")
+                    await resp.write(b"data: " + orjson.dumps(_response(eng, req)) + b"\n\ndata: [DONE]\n\n")
                     break
                 if req.queue.empty():  # coalesce: a slow reader gets the newest state, not a backlog
-                    await resp.write(f"data: {json.dumps(_response(eng, req))}\n\n".encode())
+                    chunk = _response(eng, req, text=eng.stream_text(req))
+                    await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
             return resp
         finally:
             if req.finish_reason is None:  # the client went away: stop decoding for it

@@ -11,6 +11,7 @@ import json
 from typing import Any, AsyncIterator, Optional
 
 import httpx
+import orjson
 
 
 class GenerateError(RuntimeError):
@@ -58,24 +59,46 @@ async def generate_stream(client: httpx.AsyncClient, url: str, payload: dict, ti
         async with client.stream("POST", f"{url}/generate", json=body, timeout=t) as resp:
             if resp.status_code != 200:
                 raise _http_error(url, resp, (await resp.aread()).decode(errors="replace"))
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            tail = b""
+            async for block in resp.aiter_bytes():
+                newest, done, tail = newest_event(tail + block)
+                if newest is not None:
+                    try:
+                        last = orjson.loads(newest)
+                    except orjson.JSONDecodeError as e:
+                        raise StreamBroken(url, f"invalid SSE chunk: {e}") from e
+                    if not isinstance(last, dict):
+                        raise StreamBroken(url, f"invalid SSE chunk: {newest[:80]!r}")
+                    if "error" in last and "output_ids" not in last:
+                        raise GenerateError(url, f"error chunk: {last['error']}")
+                    yield last
+                if done:
                     if last is None or not (last.get("meta_info") or {}).get("finish_reason"):
                         raise StreamBroken(url, "stream ended with [DONE] but no finish_reason")
                     return
-                try:
-                    last = json.loads(data)
-                except json.JSONDecodeError as e:
-                    raise StreamBroken(url, f"invalid SSE chunk: {e}") from e
-                if "error" in last and "output_ids" not in last:
-                    raise GenerateError(url, f"error chunk: {last['error']}")
-                yield last
     except httpx.HTTPError as e:
         raise StreamBroken(url, f"{type(e).__name__}: {e}") from e
     raise StreamBroken(url, "stream ended without [DONE]")
+
+
+def newest_event(buf: bytes) -> tuple[Optional[bytes], bool, bytes]:
+    """(the last complete `data:` payload in buf, whether `[DONE]` came, the incomplete rest of buf).
+
+    SGLang's stream chunks are cumulative (each carries every id so far), so of the chunks that arrived
+    together only the newest needs parsing: a reader that falls behind parses less, not a growing backlog.
+    """
+    end = buf.rfind(b"\n")
+    if end < 0:
+        return None, False, buf
+    newest, done = None, False
+    for line in buf[:end].split(b"\n"):
+        if line.startswith(b"data:"):
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+            elif not done:
+                newest = data
+    return newest, done, buf[end + 1:]
 
 
 async def get_json(client: httpx.AsyncClient, url: str, path: str, timeout: float) -> Any:
