@@ -139,6 +139,9 @@ class ProgressConfig:
     min_gaps: int = _req()  # gaps an incarnation must stream (after start or resume) before it is watched
     prefill_s_per_1k_tokens: float = _req()  # extra silence per 1000 prompt tokens still awaiting a first token
     confirm_timeout_s: float = _req()  # the immediate /health_generate after a stall; no token and no answer: DEAD
+    # An engine that streamed tokens within the last probe interval (and is not silent past its threshold)
+    # needs no /health_generate: those tokens are the readiness answer.
+    readiness_from_tokens: bool = _req()
 
     def problems(self) -> list[str]:
         out = []

@@ -20,7 +20,7 @@ from belayer_plugin.generation.sglang_http import generate
 from tests.conftest import belayer_cfg
 
 CFG = dict(enabled=True, floor_s=1.0, gap_multiplier=8.0, gap_window=32, min_gaps=4,
-           prefill_s_per_1k_tokens=2.0, confirm_timeout_s=1.0)
+           prefill_s_per_1k_tokens=2.0, confirm_timeout_s=1.0, readiness_from_tokens=True)
 
 
 def _tracker(**kw) -> ProgressTracker:
@@ -108,6 +108,25 @@ def test_an_observer_stall_is_excused():
     last = _stream(t, 0.0, 0.01, 10)
     t.excuse(3.0)
     assert t.stalled(last + 3.9) == [] and len(t.stalled(last + 4.0)) == 1
+
+
+def test_recent_tokens_answer_readiness_only_until_the_silence_is_overdue_or_reported():
+    t = _tracker()
+    assert not t.served_within("e0", 1, 2.0, 0.0)  # never served
+    last = _stream(t, 0.0, 0.01, 10)
+    assert t.served_within("e0", 1, 2.0, last + 0.5)
+    assert not t.served_within("e0", 2, 2.0, last + 0.5)  # another incarnation served nothing
+    # within the window but past the silence deadline (floor 1 s): the real probe must go
+    assert not t.served_within("e0", 1, 2.0, last + 1.5)
+    assert len(t.stalled(last + 1.5)) == 1
+    assert not t.served_within("e0", 1, 5.0, last + 1.6)  # reported: stays a real probe
+    t.tokens("e0", 1, "r", last + 1.7)  # it streamed again
+    assert t.served_within("e0", 1, 2.0, last + 1.8)
+    t.suspend()
+    assert not t.served_within("e0", 1, 2.0, last + 1.8)
+    t.resume(last + 1.9)
+    t.ended("e0", 1, "r", last + 2.0)  # idle after serving: recent tokens still count, until the window ends
+    assert t.served_within("e0", 1, 2.0, last + 2.5) and not t.served_within("e0", 1, 2.0, last + 3.8)
 
 
 # ---------------------------------------------------------------- real fleets (CPU engines, Ray, signals)

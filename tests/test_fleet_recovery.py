@@ -270,3 +270,38 @@ async def test_a_hung_engine_is_found_while_paused_without_generate_probes(tmp_p
         assert fm.monitor.probes_sent == gen_probes, "/health_generate probes ran while paused"
         await fm.resume()
         await _assert_routable(fm, "engine-1")
+
+
+async def test_an_engine_streaming_tokens_gets_no_generate_probe_while_an_idle_one_does(tmp_path, tiny_model):
+    # monitor.progress.readiness_from_tokens: the tokens a busy engine streams answer readiness, so it is not
+    # also asked to generate a probe token every interval. Counted by the engines themselves (health_tokens).
+    from belayer_plugin.generation.resumable import ResumableGenerator
+    from tests.test_fleet_progress import _Pinned, _progress_cb, _tokens
+
+    async with running_fleet(tmp_path, tiny_model, "belayer.engines.num_engines=2",
+                             "belayer.engines.cpu_step_delay_ms=20") as fm:
+        urls = {sid: fm.slots[sid].info.url for sid in ("engine-0", "engine-1")}
+
+        async def health_tokens() -> dict:
+            async with httpx.AsyncClient() as c:
+                return {sid: (await get_json(c, u, "/get_server_info", 5))["belayer_counters"]["health_tokens"]
+                        for sid, u in urls.items()}
+
+        gen = ResumableGenerator(_Pinned(fm, "engine-0"), fm.cfg.recovery, fm.events)
+        holder: dict = {}
+        started = asyncio.ensure_future(_tokens(holder, "busy", 5, 30))
+        req = asyncio.create_task(gen.generate("busy", PROMPT, {"max_new_tokens": 150, "temperature": 0.0,
+                                                                "ignore_eos": True},
+                                               on_progress=_progress_cb(holder, "busy")))
+        await started
+        before, skipped = await health_tokens(), fm.monitor.probes_skipped
+        t0 = time.monotonic()
+        log, _ = await asyncio.wait_for(req, 60)
+        streamed_s = time.monotonic() - t0
+        after = await health_tokens()
+        assert streamed_s > 1.5 and [g.engine for g in log.segments] == ["engine-0"] and log.committed == 150
+        # at most one probe already in flight when the stream began; the idle engine: one per 0.2 s interval
+        assert after["engine-0"] - before["engine-0"] <= 1, (before, after)
+        assert after["engine-1"] - before["engine-1"] >= streamed_s / 0.2 / 3, (before, after, streamed_s)
+        assert fm.monitor.probes_skipped - skipped >= streamed_s / 0.2 / 3
+        assert [e for e in fm.events.events if e.kind == "transition" and e.to_state in ("SUSPECT", "DEAD")] == []

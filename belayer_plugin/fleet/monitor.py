@@ -74,6 +74,7 @@ class HealthMonitor:
         self._confirming: dict[str, asyncio.Event] = {}  # engine -> set when a token arrives during confirmation
         self.probes_sent = 0  # /health_generate: only ever while serving
         self.light_probes_sent = 0  # /get_model_info: while paused, released or refitting
+        self.probes_skipped = 0  # /health_generate not sent: the engine streamed tokens within the interval
 
     @property
     def serving(self) -> bool:
@@ -251,6 +252,14 @@ class HealthMonitor:
             # must not be asked to generate (that killed healthy engines elsewhere), but a hung server
             # must still be found: /get_model_info is answered by the HTTP front without generating.
             path = "/health_generate" if self._serving.is_set() else "/get_model_info"
+            if path == "/health_generate" and self._served_recently(w):
+                # Its own tokens answered within the interval: a generate probe would only add a request
+                # to its batch. A silence past its threshold or the interval gets the real probe.
+                self.probes_skipped += 1
+                w.boot_deadline = 0.0
+                await self._emit(w, Signal.PROBE_OK, "")
+                await asyncio.sleep(self.cfg.probe_interval_s)  # the probe period, not synchronisation
+                continue
             ok, reason = await self._probe(w.url, path)
             if epoch != self._epoch:
                 continue  # the phase changed mid-probe: the result is about the other kind of probe
@@ -264,6 +273,11 @@ class HealthMonitor:
             else:
                 await self._emit(w, Signal.PROBE_FAILED, reason)
                 # no pause after a failure: confirm or clear the suspicion at once
+
+    def _served_recently(self, w: _Watch) -> bool:
+        p = self.cfg.progress
+        return p.enabled and p.readiness_from_tokens and self.progress.served_within(
+            w.engine, w.incarnation, self.cfg.probe_interval_s, time.monotonic())
 
     async def _probe(self, url: str, path: str, timeout: Optional[float] = None) -> tuple[bool, str]:
         timeout = self.cfg.probe_timeout_s if timeout is None else timeout

@@ -54,6 +54,7 @@ class _Engine:
     warm_gaps: int = 0  # gaps seen since watched or since the fleet last resumed
     inflight: dict[str, int] = field(default_factory=dict)  # rid -> its prompt tokens while awaiting a first token, else 0
     last_token: Optional[float] = None  # the last token seen (None: none since busy / rebaselined)
+    last_served: Optional[float] = None  # the last token seen from this incarnation, ever
     last_activity: float = 0.0
     answered: int = 0  # probes answered (engine alive) during the current silence: each doubles the threshold
     reported: bool = False  # the current silence was reported (once per silence)
@@ -115,7 +116,7 @@ class ProgressTracker:
         if e.last_token is not None and not self.suspended:
             e.gaps.append(max(0.0, now - e.last_token))
             e.warm_gaps += 1
-        e.last_token = e.last_activity = now
+        e.last_token = e.last_activity = e.last_served = now
         e.answered, e.reported = 0, False
         if rid in e.inflight:
             e.inflight[rid] = 0  # its prefill is done
@@ -163,6 +164,15 @@ class ProgressTracker:
             out.append(Stall(name, e.incarnation, now - e.last_activity, d - e.last_activity, len(e.inflight),
                              sum(1 for v in e.inflight.values() if v > 0)))
         return out
+
+    def served_within(self, engine: str, incarnation: int, window_s: float, now: float) -> bool:
+        """Whether the incarnation streamed a token in the last `window_s` and is not silent past its deadline
+        (a reported or overdue silence needs a real probe, whatever it served before)."""
+        e = self._get(engine, incarnation)
+        if e is None or self.suspended or e.reported or e.last_served is None or now - e.last_served > window_s:
+            return False
+        d = self.deadline(engine)
+        return d is None or now < d
 
     def silent_since(self, engine: str, incarnation: int) -> Optional[float]:
         """The time of the engine's last activity (None: unknown engine or incarnation)."""
