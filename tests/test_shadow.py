@@ -75,10 +75,33 @@ async def test_stale_shadow_is_brought_to_the_current_version_before_it_is_regis
         assert kinds.index("HEALTHY") < kinds.index("registered")
 
 
-async def test_keep_warm_refit_updates_standbys_at_each_refit(tmp_path, tiny_model):
+async def test_keep_warm_refit_updates_standbys_off_the_refit_barrier_and_a_handover_waits_for_it(tmp_path, tiny_model):
     async with fleet(tmp_path, tiny_model, "belayer.shadow.keep_warm=refit") as fm:
-        await fm.refit(tiny_model, "v7")
-        assert [await sh.actor.weight_version.remote() for sh in fm.shadows.ready] == ["v7"]
+        # A standby that cannot answer (SIGSTOPped) does not hold the trainer's refit: it returns once the
+        # serving engines hold v7, and the standby catches up when it runs again.
+        sh = fm.shadows.ready[0]
+        os.kill(sh.info.pid, signal.SIGSTOP)
+        try:
+            t0 = time.time()
+            served = await asyncio.wait_for(fm.refit(tiny_model, "v7"), 20)
+            assert set(served.values()) == {"v7"}
+            assert not fm.events.find(lambda e: e.t >= t0 and e.kind == "shadow_refit")
+        finally:
+            os.kill(sh.info.pid, signal.SIGCONT)
+        done = await fm.events.wait_for(lambda e: e.kind == "shadow_refit", 30, since=t0)
+        assert done.figures["version"] == "v7" and done.subject == sh.sid
+        assert [await s.actor.weight_version.remote() for s in fm.shadows.ready] == ["v7"]
+        # Two refits back to back, then at once a death: the standby takes the slot at the newest version,
+        # its own refits having finished in order (never two updates of it at once).
+        t1 = time.time()
+        await fm.refit(tiny_model, "v8")
+        await fm.refit(tiny_model, "v9")
+        os.kill(fm.slots["engine-0"].info.pid, signal.SIGKILL)
+        reg = await fm.events.wait_for(ev("registered", "engine-0"), 30, since=t1)
+        assert reg.figures["version"] == "v9" and fm.slots["engine-0"].info.url == sh.info.url
+        assert await sh.actor.weight_version.remote() == "v9"
+        assert fm.events.find(lambda e: e.t >= t1 and e.kind == "handover" and e.subject == "engine-0")
+        assert not fm.events.find(lambda e: e.t >= t1 and e.kind in ("handover_failed", "shadow_lost"))
 
 
 async def test_a_dead_standby_is_replaced_in_the_background(tmp_path, tiny_model):

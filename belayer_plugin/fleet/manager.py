@@ -613,6 +613,7 @@ class FleetManager:
         want = self.weights
         try:
             async with asyncio.timeout(self.cfg.shadow.handover_timeout_s):
+                await ShadowPool.settle(sh)  # a background refit of it finishes first
                 await sh.actor.ping.remote()
                 if sh.memory_released:
                     r = await sh.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})
@@ -725,10 +726,11 @@ class FleetManager:
         # A slot whose engine died and was replaced (handover, restart) during the refit has a new incarnation
         # that its own path brought to this version: only the incarnation we tried to update can be stale.
         incarnations = {s.slot_id: s.health.incarnation for s in targets}
-        results_and_shadows = await asyncio.gather(
-            asyncio.gather(*(self._update_weights(s, self.weights) for s in targets)),
-            self.shadows.refit(self.weights) if self.shadows is not None else asyncio.sleep(0))
-        results = results_and_shadows[0]
+        if self.shadows is not None:
+            # Off the refit barrier: the trainer waits for the serving engines only. A standby still loading
+            # when it is needed finishes first (the handover settles it), then its version is checked.
+            self.shadows.refit_in_background(self.weights)
+        results = await asyncio.gather(*(self._update_weights(s, self.weights) for s in targets))
         bad = []
         for s, ok in zip(targets, results):
             if not ok and s.health.state in (State.HEALTHY, State.SUSPECT) \

@@ -30,6 +30,7 @@ class Shadow:
     version: str
     memory_released: bool = False
     watcher: Optional[asyncio.Task] = None
+    refit_task: Optional[asyncio.Task] = None  # a background refit under way (refit_in_background)
 
 
 class ShadowPool:
@@ -177,27 +178,52 @@ class ShadowPool:
 
     async def refit(self, weights: Any) -> None:
         """keep_warm=refit: every standby loads the new version now (a failing one is replaced)."""
+        if self.cfg.keep_warm == "refit":
+            self.refit_in_background(weights)
+            await asyncio.gather(*(sh.refit_task for sh in list(self.ready) if sh.refit_task is not None),
+                                 return_exceptions=True)
+
+    def refit_in_background(self, weights: Any) -> None:
+        """keep_warm=refit without holding the caller: each standby loads `weights` in a task of its own,
+        after any refit of it still under way (versions arrive in order). A handover awaits that task
+        (`settle`) before it checks the standby's version, so a standby is never updated twice at once."""
         if self.cfg.keep_warm != "refit":
             return
+        for sh in list(self.ready):
+            t = asyncio.create_task(self._refit_one(sh, weights, sh.refit_task), name=f"refit-{sh.sid}")
+            sh.refit_task = t
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
 
-        async def one(sh: Shadow) -> None:
-            try:
-                if sh.memory_released:
-                    await sh.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
-                sh.version = await self._update(sh.actor, weights)
-                if sh.memory_released:
-                    await sh.actor.call.remote("POST", "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
-            except Exception as e:
-                if sh in self.ready:
-                    self.ready.remove(sh)
-                    if sh.watcher is not None:
-                        sh.watcher.cancel()
-                    self._kill(sh.actor)
-                    self.fleet.events.emit("shadow", sh.sid, "shadow_lost", f"refit failed: {e}"[:300],
-                                           level="warning")
-                    self.replenish(failed=True)
+    @staticmethod
+    async def settle(sh: Shadow) -> None:
+        """Waits for the standby's background refit, if any (its failure shows in the version check)."""
+        if sh.refit_task is not None:
+            await asyncio.gather(asyncio.shield(sh.refit_task), return_exceptions=True)
 
-        await asyncio.gather(*(one(sh) for sh in list(self.ready)))
+    async def _refit_one(self, sh: Shadow, weights: Any, before: Optional[asyncio.Task]) -> None:
+        if before is not None:
+            await asyncio.gather(before, return_exceptions=True)
+        if sh not in self.ready:
+            return  # taken for a handover meanwhile: the handover brings it to the current version
+        t0 = time.monotonic()
+        try:
+            if sh.memory_released:
+                await sh.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
+            sh.version = await self._update(sh.actor, weights)
+            if sh.memory_released:
+                await sh.actor.call.remote("POST", "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+            self.fleet.events.emit("shadow", sh.sid, "shadow_refit", f"at {sh.version}", version=sh.version,
+                                   took_s=round(time.monotonic() - t0, 4))
+        except Exception as e:
+            if sh in self.ready:
+                self.ready.remove(sh)
+                if sh.watcher is not None:
+                    sh.watcher.cancel()
+                self._kill(sh.actor)
+                self.fleet.events.emit("shadow", sh.sid, "shadow_lost", f"refit failed: {e}"[:300],
+                                       level="warning")
+                self.replenish(failed=True)
 
     @staticmethod
     def _kill(actor: Any) -> None:
