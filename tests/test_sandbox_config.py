@@ -11,7 +11,8 @@ from belayer_plugin.sandbox.config import SandboxConfig, SandboxPolicyConfig
 
 def good() -> SandboxConfig:
     pol = SandboxPolicyConfig(enabled=True, failure_prob=0.02, min_overhead_s=0.05, every_n_actions=0,
-                              async_checkpoint=True, cooldown_s=20.0, overhead_ema=0.3, skip_unchanged=True)
+                              async_checkpoint=True, cooldown_s=20.0, overhead_ema=0.3, skip_unchanged=True,
+                              checkpoint_nice=10)
     return SandboxConfig(backend="podman", env="busybox", network="none", cpus=1.0, memory_mb=512, pids_limit=256,
                          exec_timeout_s=60.0, checkpoint_mode="auto", checkpoint_dir="", checkpoint_timeout_s=30.0,
                          restore_timeout_s=60.0, restore_retries=2, keep_checkpoints=2, replay_deterministic=False,
@@ -36,8 +37,9 @@ def test_problems_name_the_bad_fields():
     text = "\n".join(c.problems())
     for name in ("cpus", "memory_mb", "keep_checkpoints", "env", "network", "restore_timeout_s"):
         assert name + ":" in text
-    p = dataclasses.replace(good().policy, failure_prob=1.5, overhead_ema=0.0)
+    p = dataclasses.replace(good().policy, failure_prob=1.5, overhead_ema=0.0, checkpoint_nice=25)
     assert any(s.startswith("failure_prob:") for s in p.problems())
+    assert any(s.startswith("checkpoint_nice:") for s in p.problems())
     assert any(s.startswith("overhead_ema:") for s in p.problems())
 
 

@@ -175,3 +175,22 @@ def test_measured_visible_waits_raise_the_overhead_estimate_and_hidden_ones_lowe
     assert p.wait_ready() == 0.0
     assert p.measured_visible_s == pytest.approx(0.5)
     p.close()
+
+
+def test_background_checkpoints_run_nicer_than_the_rollout_and_so_do_the_processes_they_start():
+    import os
+    import subprocess
+
+    def ck(b):
+        tid = threading.get_native_id()
+        child = subprocess.run(["sh", "-c", "cut -d' ' -f19 /proc/$$/stat"], capture_output=True, text=True)
+        return os.getpriority(os.PRIO_PROCESS, tid), int(child.stdout)
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    p = CheckpointPolicy(ck, failure_prob=1.0, min_overhead_s=0.0, async_checkpoint=True, cooldown_s=0.0, nice=7)
+    p.note_work(10.0, action_done=True)
+    fut = p.maybe_checkpoint_async(1)
+    assert fut is not None
+    assert fut.result(timeout=10) == (min(19, base + 7), min(19, base + 7))
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's own priority is untouched
+    p.close()

@@ -28,6 +28,7 @@ class SandboxPolicyConfig:
     cooldown_s: float = _req()  # after a checkpoint timed out or failed, no new attempt for this long
     overhead_ema: float = _req()  # weight of the newest measurement in the running estimates
     skip_unchanged: bool = _req()  # a boundary with no file-system or process side effect reuses the last checkpoint
+    checkpoint_nice: int = _req()  # background checkpoints run this much nicer than the rollout (0: same priority)
 
     def problems(self) -> list[str]:
         out = []
@@ -41,6 +42,8 @@ class SandboxPolicyConfig:
             out.append("cooldown_s: must be >= 0")
         if not 0.0 < self.overhead_ema <= 1.0:
             out.append("overhead_ema: must be in (0, 1]")
+        if not 0 <= self.checkpoint_nice <= 19:
+            out.append(f"checkpoint_nice: must be in [0, 19], got {self.checkpoint_nice}")
         return out
 
 

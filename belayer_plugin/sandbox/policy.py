@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -90,6 +91,19 @@ class PolicyStats:
     durations: list[float] = field(default_factory=list)
 
 
+def lower_thread_priority(nice: int) -> None:
+    """Raises the calling thread's nice value by `nice` (Linux: nice is per thread, and the processes the thread
+    starts inherit it), so background checkpoints (tar, the Podman CLI, runc and CRIU under it) yield the CPU
+    to generation. Docker's CRIU runs under containerd and keeps containerd's priority."""
+    if nice <= 0:
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as e:  # not fatal: the checkpoint runs at the normal priority
+        log.warning("could not lower the checkpoint thread's priority: %s", e)
+
+
 class CheckpointPolicy:
     """Decides and runs checkpoints, overlapping them with the next LLM generation.
 
@@ -102,7 +116,7 @@ class CheckpointPolicy:
                  every_n_actions: int = 0, async_checkpoint: bool = True, cooldown_s: float = 20.0,
                  overhead_ema: float = 0.3, enabled: bool = True, initial_checkpoint_s: float = 0.5,
                  subject: str = "policy", on_event: Optional[EventSink] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, nice: int = 0):
         self.checkpoint_fn = checkpoint_fn
         self.failure_prob = failure_prob
         self.min_overhead_s = min_overhead_s
@@ -125,14 +139,16 @@ class CheckpointPolicy:
         self.last_error: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._future: Optional[concurrent.futures.Future] = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="belayer-ckpt")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="belayer-ckpt",
+                                                           initializer=lower_thread_priority, initargs=(nice,))
 
     @classmethod
     def from_config(cls, cfg: Any, checkpoint_fn: Callable[[int], Any], **kw: Any) -> "CheckpointPolicy":
         """From a SandboxPolicyConfig."""
         return cls(checkpoint_fn, failure_prob=cfg.failure_prob, min_overhead_s=cfg.min_overhead_s,
                    every_n_actions=cfg.every_n_actions, async_checkpoint=cfg.async_checkpoint,
-                   cooldown_s=cfg.cooldown_s, overhead_ema=cfg.overhead_ema, enabled=cfg.enabled, **kw)
+                   cooldown_s=cfg.cooldown_s, overhead_ema=cfg.overhead_ema, enabled=cfg.enabled,
+                   nice=cfg.checkpoint_nice, **kw)
 
     def _emit(self, kind: str, reason: str, **figures: Any) -> None:
         rec = {"t": time.time(), "component": "sandbox", "subject": self.subject, "kind": kind, "reason": reason,
