@@ -86,3 +86,40 @@ def test_keep_zero_is_rejected_and_bad_trajectory_ids_are_refused(tmp_path):
         CheckpointStore(tmp_path, keep=0)
     with pytest.raises(ValueError):
         CheckpointStore(tmp_path).new_staging("../escape")
+
+
+def test_a_stuck_runtime_dump_of_one_container_is_killed_and_no_other_process():
+    # The soak found a CRIU dump of a container killed mid-dump waiting forever while dockerd held the
+    # container's lock. kill_stuck_dumps ends the CRIU under `runc ... checkpoint ... <id>` of that container.
+    import subprocess
+    import time
+
+    from belayer_plugin.sandbox.base import kill_stuck_dumps
+
+    def fake_runc(cid: str) -> tuple[subprocess.Popen, int]:
+        # argv[0] "runc" and the runtime's argument shape; its child (a sleep) stands for CRIU
+        p = subprocess.Popen(["bash", "-c", "exec -a runc bash -c 'sleep 300 & echo $!; wait' checkpoint "
+                              f"--leave-running {cid}"], stdout=subprocess.PIPE, text=True)
+        return p, int(p.stdout.readline())
+
+    victim, criu = fake_runc("c0ffee" * 10)
+    other, other_criu = fake_runc("beef" * 16)
+    try:
+        assert kill_stuck_dumps("c0ffee" * 10) == 1
+        deadline = time.monotonic() + 10
+        while _alive(criu):
+            assert time.monotonic() < deadline, "the stuck dump survived"
+            time.sleep(0.02)  # a killed process leaves /proc asynchronously; bounded by the deadline
+        assert _alive(other_criu), "another container's checkpoint was killed"
+    finally:
+        for p in (victim, other):
+            p.kill()
+        subprocess.run(["kill", "-9", str(other_criu)], check=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -220,6 +220,27 @@ def kill_cgroup_leftovers(container_id: str, timeout_s: float = 5.0) -> int:
         time.sleep(0.02)  # killed processes leave /proc asynchronously; poll, bounded by the deadline
 
 
+def kill_stuck_dumps(container_id: str) -> int:
+    """SIGKILLs the CRIU processes of a runtime checkpoint (`runc ... checkpoint ... <container_id>`) still
+    running; returns how many. A dump of a container whose processes were killed mid-dump can wait forever,
+    and the container runtime holds the container's lock until it returns: every later call (unpause, kill,
+    remove) would wait too. A killed CRIU makes runc fail the checkpoint and the runtime let go."""
+    import psutil
+
+    killed = 0
+    for p in psutil.process_iter(["cmdline"]):
+        cl = p.info.get("cmdline") or []
+        if not cl or os.path.basename(cl[0]) != "runc" or "checkpoint" not in cl or container_id not in cl:
+            continue
+        try:
+            for c in p.children(recursive=True):
+                c.kill()
+                killed += 1
+        except psutil.Error:
+            pass
+    return killed
+
+
 class Sandbox:
     """One live container. Thread-safe: exec and checkpoint serialise on `lock`."""
 

@@ -26,6 +26,7 @@ from belayer_plugin.sandbox.base import (
     SandboxError,
     SandboxSpec,
     kill_cgroup_leftovers,
+    kill_stuck_dumps,
 )
 from belayer_plugin.sandbox.fsdiff import tar_upper, untar_upper
 
@@ -326,15 +327,23 @@ class DockerBackend:
                 raise CheckpointError(f"docker checkpoint failed: {e.explanation or e}") from None
             except Exception as e:  # requests' ReadTimeout
                 if time.monotonic() - t0 >= timeout_s - 0.1:
-                    raise CheckpointTimeout(f"docker checkpoint ran past {timeout_s:.1f}s") from None
+                    # dockerd keeps the container locked until the dump returns: end a stuck one, or the
+                    # unpause below and every later call on this container would wait for it.
+                    n = kill_stuck_dumps(cid)
+                    raise CheckpointTimeout(f"docker checkpoint ran past {timeout_s:.1f}s"
+                                            + (f" ({n} stuck CRIU process(es) killed)" if n else "")) from None
                 raise CheckpointError(f"docker checkpoint failed: {type(e).__name__}: {e}") from None
             finally:
                 self.api.timeout = saved
         finally:
+            saved = self.api.timeout
+            self.api.timeout = min(saved, 30.0)  # bounded: the container may be gone or its runtime stuck
             try:
                 self.unpause(cid)
-            except SandboxError as e:
+            except Exception as e:
                 log.warning("unpause after checkpoint failed: %s", e)
+            finally:
+                self.api.timeout = saved
         files = [ROOTFS_FILE]
         root = staging / CRIU_DIR
         for dirpath, _, names in os.walk(root):

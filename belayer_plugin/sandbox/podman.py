@@ -21,6 +21,7 @@ from belayer_plugin.sandbox.base import (
     SandboxError,
     SandboxSpec,
     kill_cgroup_leftovers,
+    kill_stuck_dumps,
     run_cmd,
 )
 
@@ -202,7 +203,9 @@ class PodmanBackend:
         try:
             self._run(["container", "checkpoint", f"--export={out}", cid], timeout_s=timeout_s)
         except subprocess.TimeoutExpired:
-            raise CheckpointTimeout(f"podman checkpoint ran past {timeout_s:.1f}s") from None
+            n = kill_stuck_dumps(cid)  # runc/CRIU outlive the killed CLI and keep the container locked
+            raise CheckpointTimeout(f"podman checkpoint ran past {timeout_s:.1f}s"
+                                    + (f" ({n} stuck CRIU process(es) killed)" if n else "")) from None
         except subprocess.CalledProcessError as e:
             raise CheckpointError(f"podman checkpoint failed: {self._err(e)}") from None
         left = max(1.0, timeout_s - (time.monotonic() - t0))
