@@ -67,3 +67,22 @@ def test_trials_exercise_kills_in_every_phase_and_corruption(podman, env_cache, 
     assert r.corrupted is not None
     assert any(e.get("kind") == "checkpoint_corrupt" and e.get("checkpoint") == r.corrupted for e in r.events)
     assert not any(e.get("kind") == "restore" and e.get("checkpoint") == r.corrupted for e in r.events)
+
+
+def test_only_a_restore_after_the_corruption_counts_as_restoring_a_corrupt_checkpoint():
+    # The full-size soak (seeds 2328, 2954) restored checkpoint b3 after a kill, then the harness corrupted
+    # that same b3 and the next recovery rejected it: the old check counted the earlier, sound restore.
+    from belayer_plugin.sandbox.scripted import corruption_violations
+
+    ck = "b000003-1"
+    sound_then = [{"kind": "restore", "checkpoint": ck}, {"kind": "rollback", "restored_boundary": 3},
+                  {"kind": "test_corrupted", "checkpoint": ck},
+                  {"kind": "checkpoint_corrupt", "checkpoint": ck}, {"kind": "restore", "checkpoint": "b000002-1"},
+                  {"kind": "rollback", "restored_boundary": 2}]
+    assert corruption_violations(sound_then, ck) == []
+    used = [{"kind": "test_corrupted", "checkpoint": ck}, {"kind": "restore", "checkpoint": ck},
+            {"kind": "rollback", "restored_boundary": 3}]
+    assert corruption_violations(used, ck) == [f"corrupt checkpoint {ck} was restored"]
+    unseen = [{"kind": "checkpoint_corrupt", "checkpoint": "b000001-1"}, {"kind": "test_corrupted", "checkpoint": ck},
+              {"kind": "rollback", "restored_boundary": 1}]
+    assert corruption_violations(unseen, ck) == [f"corrupt checkpoint {ck} was not detected"]

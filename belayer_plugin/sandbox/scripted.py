@@ -252,6 +252,23 @@ def _corrupt(path: Path, rng: random.Random) -> str:
     return str(victim.relative_to(path))
 
 
+def corruption_violations(events: list[dict], corrupted: str) -> list[str]:
+    """What went wrong with the checkpoint the trial corrupted, judged from the events in order: a restore of
+    it after the corruption, or a recovery that went past it without noticing. A restore of it before the
+    corruption (it was sound then) is no violation: the full-size soak's first run counted two of those."""
+    at = next(i for i, e in enumerate(events) if e.get("kind") == "test_corrupted" and e.get("checkpoint") == corrupted)
+    after = events[at + 1:]
+    out = []
+    if any(e.get("kind") == "restore" and e.get("checkpoint") == corrupted for e in after):
+        out.append(f"corrupt checkpoint {corrupted} was restored")
+    if not any(e.get("kind") == "checkpoint_corrupt" for e in after):
+        # Legit only if the corrupt one was superseded by a newer checkpoint before any recovery.
+        rollbacks = [e for e in after if e.get("kind") == "rollback"]
+        if rollbacks and rollbacks[0].get("restored_boundary", -1) < int(corrupted[1:7]):
+            out.append(f"corrupt checkpoint {corrupted} was not detected")
+    return out
+
+
 def run_trial(backend: Backend, image: str, seed: int, store_root: str | Path, n_actions: int = 5,
               mode: str = "full", corrupt_prob: float = 0.2, max_steps: int = 60) -> TrialResult:
     """One randomized fail-stop trial; returns its violations (empty: converged to the golden state)."""
@@ -322,14 +339,7 @@ def run_trial(backend: Backend, image: str, seed: int, store_root: str | Path, n
             if partial:
                 violations.append(f"partial checkpoints left behind: {partial}")
         if corrupted:
-            used = [e for e in events if e.get("kind") == "restore" and e.get("checkpoint") == corrupted]
-            if used:
-                violations.append(f"corrupt checkpoint {corrupted} was restored")
-            if not any(e.get("kind") == "checkpoint_corrupt" for e in events):
-                # Legit only if the corrupt one was superseded by a newer checkpoint before any recovery.
-                restores = [e for e in events if e.get("kind") == "rollback"]
-                if restores and restores[0].get("restored_boundary", -1) < int(corrupted[1:7]):
-                    violations.append(f"corrupt checkpoint {corrupted} was not detected")
+            violations.extend(corruption_violations(events, corrupted))
     finally:
         fb.disarm()
         if policy is not None:
