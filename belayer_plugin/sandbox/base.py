@@ -241,6 +241,13 @@ def kill_stuck_dumps(container_id: str) -> int:
     return killed
 
 
+def stuck_checkpoint_timeout(runtime: str, container_id: str, timeout_s: float) -> "CheckpointTimeout":
+    """The error for a checkpoint past its time, after ending the runtime's stuck dump (kill_stuck_dumps)."""
+    n = kill_stuck_dumps(container_id)
+    return CheckpointTimeout(f"{runtime} checkpoint ran past {timeout_s:.1f}s"
+                             + (f" ({n} stuck CRIU process(es) killed)" if n else ""))
+
+
 class Sandbox:
     """One live container. Thread-safe: exec and checkpoint serialise on `lock`."""
 

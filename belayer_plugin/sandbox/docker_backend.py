@@ -19,14 +19,13 @@ from belayer_plugin.sandbox import criu as criu_mod
 from belayer_plugin.sandbox.base import (
     DEFAULT_PATH,
     CheckpointError,
-    CheckpointTimeout,
     ExecResult,
     ImageMissing,
     RestoreError,
     SandboxError,
     SandboxSpec,
     kill_cgroup_leftovers,
-    kill_stuck_dumps,
+    stuck_checkpoint_timeout,
 )
 from belayer_plugin.sandbox.fsdiff import tar_upper, untar_upper
 
@@ -316,12 +315,11 @@ class DockerBackend:
             tar_upper(self.upper_dir(cid), staging / ROOTFS_FILE, timeout_s)
             left = max(1.0, timeout_s - (time.monotonic() - t0))
             (staging / CRIU_DIR).mkdir()
-            saved = self.api.timeout
             try:
-                self.api.timeout = left
+                # Timeouts go with each request: the client is shared by threads (restores run side by side).
                 res = self.api._post_json(self.api._url("/containers/{0}/checkpoints", cid),
                                           data={"CheckpointID": CKPT_ID, "CheckpointDir": str(staging / CRIU_DIR),
-                                                "Exit": False})
+                                                "Exit": False}, timeout=left)
                 self.api._raise_for_status(res)
             except self._errors.APIError as e:
                 raise CheckpointError(f"docker checkpoint failed: {e.explanation or e}") from None
@@ -329,21 +327,13 @@ class DockerBackend:
                 if time.monotonic() - t0 >= timeout_s - 0.1:
                     # dockerd keeps the container locked until the dump returns: end a stuck one, or the
                     # unpause below and every later call on this container would wait for it.
-                    n = kill_stuck_dumps(cid)
-                    raise CheckpointTimeout(f"docker checkpoint ran past {timeout_s:.1f}s"
-                                            + (f" ({n} stuck CRIU process(es) killed)" if n else "")) from None
+                    raise stuck_checkpoint_timeout("docker", cid, timeout_s) from None
                 raise CheckpointError(f"docker checkpoint failed: {type(e).__name__}: {e}") from None
-            finally:
-                self.api.timeout = saved
         finally:
-            saved = self.api.timeout
-            self.api.timeout = min(saved, 30.0)  # bounded: the container may be gone or its runtime stuck
-            try:
-                self.unpause(cid)
+            try:  # bounded: the container may be gone or its runtime stuck
+                self.api._raise_for_status(self.api._post(self.api._url("/containers/{0}/unpause", cid), timeout=30))
             except Exception as e:
                 log.warning("unpause after checkpoint failed: %s", e)
-            finally:
-                self.api.timeout = saved
         files = [ROOTFS_FILE]
         root = staging / CRIU_DIR
         for dirpath, _, names in os.walk(root):
@@ -367,13 +357,10 @@ class DockerBackend:
             # stays in the store until containerd's GC runs, and concurrent restores of one checkpoint upload
             # the same bytes; a file of our own makes every upload unique. CRIU ignores files it does not know.
             (dst / RESTORE_NONCE).write_text(uuid.uuid4().hex)
-            saved, self.api.timeout = self.api.timeout, timeout_s
-            try:
-                # _post applies the client's timeout (a bare Session.post would wait forever)
-                res = self.api._post(self.api._url("/containers/{0}/start", cid), params={"checkpoint": CKPT_ID})
-                self.api._raise_for_status(res)
-            finally:
-                self.api.timeout = saved
+            # bounded per request (a bare Session.post would wait forever; the shared client is not mutated)
+            res = self.api._post(self.api._url("/containers/{0}/start", cid), params={"checkpoint": CKPT_ID},
+                                 timeout=timeout_s)
+            self.api._raise_for_status(res)
             return cid
         except self._errors.APIError as e:
             err = f"docker restore failed: {e.explanation or e}"

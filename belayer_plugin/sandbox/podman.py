@@ -14,14 +14,13 @@ from belayer_plugin.sandbox import criu as criu_mod
 from belayer_plugin.sandbox.base import (
     DEFAULT_PATH,
     CheckpointError,
-    CheckpointTimeout,
     ExecResult,
     ImageMissing,
     RestoreError,
     SandboxError,
     SandboxSpec,
     kill_cgroup_leftovers,
-    kill_stuck_dumps,
+    stuck_checkpoint_timeout,
     run_cmd,
 )
 
@@ -203,9 +202,8 @@ class PodmanBackend:
         try:
             self._run(["container", "checkpoint", f"--export={out}", cid], timeout_s=timeout_s)
         except subprocess.TimeoutExpired:
-            n = kill_stuck_dumps(cid)  # runc/CRIU outlive the killed CLI and keep the container locked
-            raise CheckpointTimeout(f"podman checkpoint ran past {timeout_s:.1f}s"
-                                    + (f" ({n} stuck CRIU process(es) killed)" if n else "")) from None
+            # runc/CRIU outlive the killed CLI and keep the container locked
+            raise stuck_checkpoint_timeout("podman", cid, timeout_s) from None
         except subprocess.CalledProcessError as e:
             raise CheckpointError(f"podman checkpoint failed: {self._err(e)}") from None
         left = max(1.0, timeout_s - (time.monotonic() - t0))
