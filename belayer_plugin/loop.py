@@ -77,6 +77,7 @@ class ReferenceLoop:
         self.learner: Any = None
         self.learner_pid: Optional[int] = None
         self.chaos: Any = None
+        self.gen: Any = None  # the generation client (closed at clean-up)
         self.steps: list[dict] = []
         self.trajectories: list[dict] = []
         self.lost: list[dict] = []
@@ -185,6 +186,7 @@ class ReferenceLoop:
             gen = PlainGenerator(self.fleet.url, cfg.router.request_timeout_s)
         else:
             gen = ResumableGenerator(FleetSelector(self.fleet), recovery, self.events)
+        self.gen = gen
         if cfg.chaos.enabled:
             from belayer_plugin.chaos.injector import ChaosInjector
 
@@ -275,6 +277,8 @@ class ReferenceLoop:
 
         if self.chaos is not None:
             self.chaos.stop()
+        if self.gen is not None:
+            await self.gen.aclose()
         if self.learner is not None:
             try:
                 await asyncio.wait_for(self.learner.wait_checkpoint.remote(), 30)

@@ -276,6 +276,7 @@ async def _engine_campaign(cfg: Any, run_dir: Path, faults: int, seed: int, dura
     finally:
         bar.close()
         await front.stop()
+        await gen.aclose()
         await fm.shutdown()
     return {"campaign": "engines", "faults": stats["faults_delivered"], "rounds": len(recover_s) + stats["faults_missed"],
             "seed": seed, "concurrency": concurrency, "tokens_per_request": tokens,
@@ -494,8 +495,8 @@ async def _burst_campaign(cfg: Any, run_dir: Path, bursts: int, concurrency: int
     start_s = round(time.monotonic() - t_start, 1)
     rounds: list[dict] = []
     bar = _bar(bursts, "bursts", progress)
+    gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, events)
     try:
-        gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, events)
         sp = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
         async with httpx.AsyncClient() as c:  # the fault-free ids, one request at a time
             golden = [(await generate(c, fm.slots["engine-1"].info.url, {"input_ids": p, "sampling_params": sp},
@@ -505,6 +506,7 @@ async def _burst_campaign(cfg: Any, run_dir: Path, bursts: int, concurrency: int
             bar.update(1)
     finally:
         bar.close()
+        await gen.aclose()
         await fm.shutdown()
     failures = [{"round": i, "fault": "burst", "phase": "burst", "at": None, "violations": r["violations"]}
                 for i, r in enumerate(rounds) if r["violations"]]

@@ -286,6 +286,7 @@ async def main_async(args: argparse.Namespace) -> None:
         if router is not None:
             router.stop()
         await client.aclose()
+        await gen.aclose()
         await fm.shutdown()
 
     def med(xs: list[Optional[float]]) -> Optional[float]:

@@ -150,6 +150,7 @@ async def main_async(args) -> None:
             if rep + 1 < args.repeats:
                 await fm.scale_out(1)
     finally:
+        await gen.aclose()
         await fm.shutdown()
     med = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
     drain_s, wait_s = med(0), med(1)

@@ -211,6 +211,7 @@ async def main_async(args) -> None:
                        f"fault_free_s={t_ff:.2f} repeats={args.repeats}")
     finally:
         await front.stop()
+        await gen.aclose()
         await fm.shutdown()
     print("RESULT " + " ".join(figures))
 

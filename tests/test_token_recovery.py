@@ -80,13 +80,13 @@ async def test_kill_at_random_token_every_request_completes_with_golden_ids_and_
         base = await _counters(fm)
         killed: dict = {}
 
+        chunks: dict[int, list[dict]] = {0: [], 1: []}
         async with httpx.AsyncClient() as c:
             async def streamed(i):
-                last = None
                 async for ch in generate_stream(c, front.url, {"input_ids": PROMPTS[i], "sampling_params": GREEDY,
                                                                 "rid": f"s{i}", "return_logprob": True}, 120):
-                    last = ch
-                return last
+                    chunks[i].append(ch)
+                return chunks[i][-1]
 
             def kill(clog, seg):  # at token `kill_at` of request s0, as the front commits it
                 if clog.rid == "s0" and not killed and clog.committed >= kill_at:
@@ -109,6 +109,13 @@ async def test_kill_at_random_token_every_request_completes_with_golden_ids_and_
             assert len(out["meta_info"]["output_token_logprobs"]) == N
         segs0 = outs[0]["meta_info"]["belayer"]["segments"]
         assert len(segs0) >= 2 and segs0[0]["url"] == killed["url"]
+        # The front's streamed text (decoded incrementally, across the resume) is the text of each chunk's
+        # ids, bar an unfinished last character, and the final chunk is exactly the full decode.
+        tok = front.tokenizer
+        for ch in chunks[0]:
+            full = tok.decode(ch["output_ids"], skip_special_tokens=True)
+            assert full.startswith(ch["text"]) and len(full) - len(ch["text"]) <= 4, (ch["text"], full)
+        assert chunks[0][-1]["text"] == tok.decode(golden[0], skip_special_tokens=True)
         assert segs0[1]["start"] >= killed["seen"], "tokens streamed before the kill were generated again"
         # Engine counters: the survivors generated exactly what the segments on them account for.
         after = await _counters(fm)

@@ -25,6 +25,8 @@ from typing import Any, Optional
 import orjson
 from aiohttp import web
 
+from belayer_plugin.generation.detok import IncrementalText
+
 log = logging.getLogger("belayer.cpu_engine")
 
 VERSION = "belayer-cpu-engine-0.1"
@@ -136,12 +138,7 @@ class Request:
     finish_reason: Optional[dict] = None
     created: float = field(default_factory=time.time)
     weight_version: str = ""
-    # Incremental detokenization of the streamed text (like SGLang's detokenizer): text_ids[:text_read]
-    # are in `text`; text_prefix is where the last decode window started (a multi-byte character may span
-    # tokens, so the window keeps a few settled ids of context).
-    text: str = ""
-    text_prefix: int = 0
-    text_read: int = 0
+    detok: Optional[IncrementalText] = None  # the streamed text, decoded incrementally
 
 
 class Engine:
@@ -201,17 +198,9 @@ class Engine:
 
     def stream_text(self, req: Request) -> str:
         """The request's text so far, decoding only the ids added since the last call (not all of them)."""
-        ids = req.output_ids
-        if req.text_read < len(ids):
-            dec = getattr(self.tokenizer, "backend_tokenizer", None)
-            decode = dec.decode if dec is not None else self.tokenizer.decode
-            settled = decode(ids[req.text_prefix:req.text_read], skip_special_tokens=True)
-            window = decode(ids[req.text_prefix:], skip_special_tokens=True)
-            # An unfinished UTF-8 sequence decodes to U+FFFD: wait for the token that completes it.
-            if len(window) > len(settled) and not window.endswith("\ufffd"):
-                req.text += window[len(settled):]
-                req.text_prefix, req.text_read = req.text_read, len(ids)
-        return req.text
+        if req.detok is None:
+            req.detok = IncrementalText(self.tokenizer)
+        return req.detok.update(req.output_ids)
 
     def submit(self, req: Request) -> None:
         if req.rid in self.by_rid:

@@ -12,9 +12,11 @@ import logging
 import uuid
 from typing import Any, Callable, Optional
 
+import orjson
 from aiohttp import web
 
 from belayer_plugin.generation.context_log import ContextLog, Segment
+from belayer_plugin.generation.detok import IncrementalText
 from belayer_plugin.generation.resumable import RequestFailedError, ResumableGenerator
 from belayer_plugin.http_serve import start_app
 
@@ -106,6 +108,7 @@ class GenerationFront:
 
         task = asyncio.create_task(self.gen.generate(rid, ids, sp, rl, on_progress=progress))
         task.add_done_callback(lambda _: queue.put_nowait(None))
+        text = IncrementalText(self.tokenizer)  # over all committed ids: a resume does not split the text
         try:
             while True:
                 item = await queue.get()
@@ -114,18 +117,19 @@ class GenerationFront:
                 if not queue.empty():
                     continue  # a slow reader gets the newest cumulative state, not a backlog
                 clog, seg = item
-                chunk = self.gen.response(clog, rl, self._text(clog.output_ids))
+                chunk = self.gen.response(clog, rl, text.update(clog.output_ids))
                 chunk["meta_info"]["finish_reason"] = None
                 chunk["meta_info"]["belayer"] = {"engine": seg.engine, "attempt": len(clog.segments)}
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
             try:
                 clog, _ = task.result()
             except RequestFailedError as e:
                 # No [DONE]: a client must never mistake a failed request for a short answer.
-                await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'code': e.status}})}\n\n".encode())
+                await resp.write(b"data: " + orjson.dumps({"error": {"message": str(e), "code": e.status}}) + b"\n\n")
                 return resp
+            # The final chunk is one full decode: exactly the text a non-streaming request gets.
             final = self.gen.response(clog, rl, self._text(clog.output_ids))
-            await resp.write(f"data: {json.dumps(final)}\n\n".encode())
+            await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             return resp
         finally:

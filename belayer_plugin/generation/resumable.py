@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Protocol
 
+import aiohttp
 import httpx
 
 from belayer_plugin.config import RecoveryConfig
@@ -184,6 +185,10 @@ class ResumableGenerator:
         self.transport = transport
         self.events = events or EventLog()
         self.client = client or httpx.AsyncClient(limits=httpx.Limits(max_connections=1000))
+        # Streams go through aiohttp (a chunk per token: httpx's per-chunk cost was most of the front's CPU).
+        # A session belongs to one event loop, so one is made per loop the generator runs in.
+        self._streams: Optional[aiohttp.ClientSession] = None
+        self._streams_loop: Optional[asyncio.AbstractEventLoop] = None
         # Called on every commit of every request (metrics, chaos triggers at a token position).
         self.observers: list[ProgressFn] = []
         # Decodes ids to check stop strings across a cut (None: the selector's model, if it names one).
@@ -191,6 +196,19 @@ class ResumableGenerator:
         self._tokenizer: Any = None
         # How the engines turn a seed into per-token randomness (resume_policy.segment_seed).
         self.seed_per_position = bool(getattr(selector, "seed_per_position", False))
+
+    def _stream_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._streams is None or self._streams.closed or self._streams_loop is not loop:
+            self._streams = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False)
+            self._streams_loop = loop
+        return self._streams
+
+    async def aclose(self) -> None:
+        """Closes the generator's stream connections (its session of the running loop)."""
+        if self._streams is not None and self._streams_loop is asyncio.get_running_loop():
+            await self._streams.close()
+        self._streams = self._streams_loop = None
 
     async def generate(self, rid: str, input_ids: list[int], sampling_params: dict, return_logprob: bool = False,
                        on_progress: Optional[ProgressFn] = None) -> tuple[ContextLog, dict]:
@@ -325,7 +343,7 @@ class ResumableGenerator:
         attempt = len(log.segments) - 1
         if self.cfg.mode == "stream":
             body = self._body(log, sp, seed, log.remaining, attempt)
-            async for chunk in generate_stream(self.client, seg.url, body, timeout=self.cfg.stall_timeout_s,
+            async for chunk in generate_stream(self._stream_session(), seg.url, body, timeout=self.cfg.stall_timeout_s,
                                                read_timeout=self.cfg.stall_timeout_s):
                 meta = chunk.get("meta_info", {})
                 before = log.committed
