@@ -79,9 +79,12 @@ async def test_streamed_text_is_decoded_incrementally_and_equals_the_full_decode
     sp = {**GREEDY, "max_new_tokens": 200}
     chunks = await _stream(cpu_server.url, PROMPT, sp)
     assert len(chunks) > 2
-    for ch in chunks:  # every chunk: the text of the ids it carries, bar an unfinished last character
+    for ch in chunks:  # every chunk: the text of the ids it carries, bar bytes that do not decode yet
         full = tok.decode(ch["output_ids"], skip_special_tokens=True)
-        assert full.startswith(ch["text"]) and len(full) - len(ch["text"]) <= 4, (ch["text"], full)
+        rest = full[len(ch["text"]):]  # held back only behind bytes that do not decode yet (as SGLang)
+        assert full.startswith(ch["text"]) and (len(rest) <= 4 or "\ufffd" in rest), (ch["text"], full)
+    texts = [ch["text"] for ch in chunks]
+    assert all(len(a) <= len(b) for a, b in zip(texts, texts[1:])) and len(set(texts)) >= len(texts) // 4
     plain = await _gen(cpu_server.url, PROMPT, sp)
     assert chunks[-1]["text"] == plain["text"] and chunks[-1]["output_ids"] == plain["output_ids"]
 

@@ -3,7 +3,9 @@
 One fleet serves the whole module (3 engines and a standby), its state carried from test to test:
 drain engine-1 under load (3 -> 2), scale out by one through the CLI and the control server (the standby
 is promoted: 2 -> 3), a rolling upgrade of the 3 engines under load, then scale-in (3 -> 2) and the
-refusals that leave the fleet unchanged.
+refusals that leave the fleet unchanged; a drain that cannot finish in time (the engine is re-admitted), an
+upgrade during which an engine dies (it is replaced at the new version), and a scale-out beyond the ready
+standbys (fresh engines join at the current version).
 """
 
 from __future__ import annotations
@@ -225,4 +227,89 @@ async def test_scale_in_drains_and_removes_an_engine_and_refuses_to_go_below_the
     async with httpx.AsyncClient() as c:
         out = await generate(c, fm.url, {"input_ids": PROMPTS[1], "sampling_params": GREEDY}, 60)
     assert out["output_ids"] == fleet.golden[1]
+    _no_fault(fm, t0)
+
+
+async def test_a_drain_whose_requests_cannot_move_in_time_readmits_the_engine_and_loses_nothing(fleet):
+    fm, gen = fleet.fm, fleet.gen
+    t0 = fm.events.events[-1].t
+    held, release = asyncio.Event(), asyncio.Event()
+    on: list[str] = []
+
+    async def hold_once(log, seg):
+        if not on and log.committed >= 8:
+            on.append(seg.engine)
+            held.set()
+            await release.wait()  # a consumer that stops reading keeps its request bound to the engine
+
+    task = asyncio.create_task(gen.generate("held", PROMPTS[3], GREEDY, on_progress=hold_once))
+    await asyncio.wait_for(held.wait(), 60)
+    s = fm.slots[on[0]]
+    with pytest.raises(DrainError, match="still on it"):
+        await fm.drain(s.slot_id, timeout=1.0)
+    # Re-admitted as it was: serving, routable, not stopped.
+    assert s.slot_id in fm.slots and not s.draining and s.health.serving
+    assert s.info.url in await fm.router.worker_urls()
+    assert fm.events.find(lambda e: e.kind == "readmitted" and e.subject == s.slot_id and e.t >= t0
+                          and "drain failed" in e.reason)
+    assert not fm.events.find(lambda e: e.kind == "engine_stopped" and e.subject == s.slot_id and e.t >= t0)
+    release.set()
+    log, _ = await asyncio.wait_for(task, 60)
+    assert log.output_ids == fleet.golden[3]
+    # The drain's cut, seen only after the re-admission, is still a move: no fault, no attempt spent.
+    assert any(g.outcome.startswith("drained") for g in log.segments), [g.outcome for g in log.segments]
+    async with httpx.AsyncClient() as c:
+        out = await generate(c, s.info.url, {"input_ids": PROMPTS[0], "sampling_params": GREEDY}, 60)
+    assert out["output_ids"] == fleet.golden[0]
+    _no_fault(fm, t0)
+
+
+async def test_an_engine_that_dies_during_its_upgrade_is_replaced_at_the_new_version(fleet):
+    import os
+    import signal
+
+    fm, gen = fleet.fm, fleet.gen
+    sids = sorted(fm.states(), key=lambda sid: int(sid.split("-")[1]))
+    victim = fm.slots[sids[0]]
+    old = (victim.info.pid, victim.info.url)
+    t0 = fm.events.events[-1].t
+    killed: list[int] = []
+
+    def kill_after_the_drain(ev):  # between the drain and the in-place load: the load then fails
+        if ev.kind == "requests_moved" and ev.subject == victim.slot_id and not killed:
+            killed.append(victim.info.pid)
+            os.kill(victim.info.pid, signal.SIGKILL)
+
+    fm.events.subscribe(kill_after_the_drain)
+    served = await asyncio.wait_for(fm.rolling_upgrade(fleet.model, "v3"), 150)
+    assert killed
+    assert served == {sid: "v3" for sid in sids}
+    s = fm.slots[victim.slot_id]
+    assert (s.info.pid, s.info.url) != old and s.health.serving, "the slot should hold a new incarnation"
+    assert fm.events.find(lambda e: e.kind == "transition" and e.subject == victim.slot_id and e.t >= t0
+                          and "replaced after a planned drain" in e.reason)
+    assert {u for u in await fm.router.worker_urls()} == {fm.slots[sid].info.url for sid in sids}
+    for sid in sids:
+        async with httpx.AsyncClient() as c:
+            assert (await get_json(c, fm.slots[sid].info.url, "/get_model_info", 5))["weight_version"] == "v3"
+    outs = await _run_all(gen, "after-replace")
+    assert outs == fleet.golden
+
+
+async def test_scale_out_beyond_the_standbys_starts_fresh_engines_that_join_at_the_current_version(fleet):
+    fm = fleet.fm
+    t0 = fm.events.events[-1].t
+    standbys = len(fm.shadows.ready) if fm.shadows is not None else 0
+    new = await fm.scale_out(standbys + 1, timeout=150)
+    fresh = [sid for sid in new if not fm.events.find(
+        lambda e, sid=sid: e.kind == "promoted" and e.subject == sid and e.t >= t0)]
+    assert len(fresh) >= 1, "more engines than standbys: at least one must start fresh"
+    for sid in new:
+        s = fm.slots[sid]
+        assert s.health.serving and s.served_version == fm.weights.version == "v3" and s.registered
+        async with httpx.AsyncClient() as c:
+            assert (await get_json(c, s.info.url, "/get_model_info", 5))["weight_version"] == "v3"
+            direct = await generate(c, s.info.url, {"input_ids": PROMPTS[2], "sampling_params": GREEDY}, 60)
+        assert direct["output_ids"] == fleet.golden[2]
+    assert {fm.slots[sid].info.url for sid in new} <= await fm.router.worker_urls()
     _no_fault(fm, t0)

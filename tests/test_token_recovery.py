@@ -110,11 +110,14 @@ async def test_kill_at_random_token_every_request_completes_with_golden_ids_and_
         segs0 = outs[0]["meta_info"]["belayer"]["segments"]
         assert len(segs0) >= 2 and segs0[0]["url"] == killed["url"]
         # The front's streamed text (decoded incrementally, across the resume) is the text of each chunk's
-        # ids, bar an unfinished last character, and the final chunk is exactly the full decode.
+        # ids, bar bytes that do not decode yet, and the final chunk is exactly the full decode.
         tok = front.tokenizer
         for ch in chunks[0]:
             full = tok.decode(ch["output_ids"], skip_special_tokens=True)
-            assert full.startswith(ch["text"]) and len(full) - len(ch["text"]) <= 4, (ch["text"], full)
+            rest = full[len(ch["text"]):]  # held back only behind bytes that do not decode yet (as SGLang)
+            assert full.startswith(ch["text"]) and (len(rest) <= 4 or "\ufffd" in rest), (ch["text"], full)
+        texts = [ch["text"] for ch in chunks[0]]
+        assert all(len(a) <= len(b) for a, b in zip(texts, texts[1:])) and len(set(texts)) >= len(texts) // 4
         assert chunks[0][-1]["text"] == tok.decode(golden[0], skip_special_tokens=True)
         assert segs0[1]["start"] >= killed["seen"], "tokens streamed before the kill were generated again"
         # Engine counters: the survivors generated exactly what the segments on them account for.

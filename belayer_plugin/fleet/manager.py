@@ -71,6 +71,8 @@ class Slot:
     handover_t: Optional[float] = None  # when a shadow last took this slot over (monotonic)
     rids: set[str] = field(default_factory=set)  # requests in flight on the current incarnation
     draining: bool = False  # planned drain under way: not routable, and its signals are no faults
+    # Requests a drain cut here: their cut is a move even when seen after a failed drain re-admitted the engine.
+    drain_cut: set[str] = field(default_factory=set)
     # Memory tags this incarnation has released and not resumed. SGLang's scheduler dies (KeyError) when asked
     # to resume a tag it does not hold released, e.g. "weights" again after a refit already resumed them.
     released: set[str] = field(default_factory=set)
@@ -823,11 +825,13 @@ class FleetManager:
         await self._back_to_serving(["kv_cache"])
 
     # ----------------------------------------------------------------- planned drain, elastic fleet
-    def is_draining(self, slot_id: str, url: Optional[str] = None) -> bool:
-        """Whether `slot_id` (at `url`, when given) is being drained on purpose: a request cut there is moved,
-        not failed (no fault report, no attempt spent)."""
+    def is_draining(self, slot_id: str, url: Optional[str] = None, rid: Optional[str] = None) -> bool:
+        """Whether `slot_id` (at `url`, when given) is being drained on purpose, or request `rid` was cut there
+        by a drain: a request cut there is moved, not failed (no fault report, no attempt spent)."""
         s = self.slots.get(slot_id)
-        return s is not None and s.draining and (url is None or (s.info is not None and s.info.url == url))
+        if s is None or (url is not None and (s.info is None or s.info.url != url)):
+            return False
+        return s.draining or (rid is not None and rid in s.drain_cut)
 
     def _check_floor_without(self, leaving: list[Slot]) -> None:
         """Raises DrainError unless enough engines keep serving without `leaving` (one must take the requests)."""
@@ -881,6 +885,7 @@ class FleetManager:
             t_out = time.monotonic()
             deadline = t0 + timeout
             while True:
+                s.drain_cut |= s.rids  # before the abort: its requests may see it before the call returns
                 await self._abort_all(s)
                 left = deadline - time.monotonic()
                 if s.idle.is_set() or left <= 0:

@@ -116,6 +116,7 @@ class FleetSelector:
             slot.inflight -= 1
         if slot is not None and rid is not None:
             slot.rids.discard(rid)
+            slot.drain_cut.discard(rid)
         mon = getattr(self.fleet, "monitor", None)
         if mon is not None and rid is not None and hasattr(mon, "request_ended"):
             mon.request_ended(target.engine, target.incarnation, rid)
@@ -132,10 +133,11 @@ class FleetSelector:
         if mon is not None and hasattr(mon, "tokens_seen"):
             mon.tokens_seen(target.engine, target.incarnation, rid)
 
-    def draining(self, target: Target) -> bool:
-        """Whether the target's engine is being drained on purpose (a cut there is a move, not a failure)."""
+    def draining(self, target: Target, rid: Optional[str] = None) -> bool:
+        """Whether the target's engine is being drained on purpose, or a drain cut `rid` there (a cut there is
+        a move, not a failure)."""
         is_draining = getattr(self.fleet, "is_draining", None)
-        return bool(is_draining and is_draining(target.engine, target.url))
+        return bool(is_draining and is_draining(target.engine, target.url, rid))
 
     def poisoned(self, rid: str, targets: list[Target], reason: str) -> None:
         self.fleet.absolve(rid, [(t.engine, t.incarnation) for t in targets], reason)
@@ -273,7 +275,7 @@ class ResumableGenerator:
             except GenerateError as e:
                 seg.outcome, seg.t_end = f"failed: {e.reason[:200]}", time.time()
                 draining = getattr(self.selector, "draining", None)
-                if e.retriable and draining is not None and draining(target):
+                if e.retriable and draining is not None and draining(target, log.rid):
                     # A planned drain cut it at its committed position: it moves on, as from a planned death
                     # (no fault reported, no attempt spent, no poison evidence).
                     seg.outcome = f"drained: {e.reason[:200]}"
