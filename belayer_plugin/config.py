@@ -240,6 +240,10 @@ class RecoveryConfig:
 
     mode: str = _one_of("stream", "chunked")
     chunk_tokens: int = _req()  # chunked mode: tokens committed per call
+    # Stream mode: the engine sends a chunk every this many tokens (SGLang's per-request stream_interval).
+    # 1 commits every token (a kill regenerates nothing); k > 1 costs the client 1/k of the per-chunk work
+    # and a kill may regenerate up to k - 1 tokens the engine had not sent yet.
+    stream_interval: int = _req()
     max_attempts: int = _req()  # per request, counting the first
     stall_timeout_s: float = _req()  # no new token for this long counts as a failure
     request_timeout_s: float = _req()
@@ -255,6 +259,8 @@ class RecoveryConfig:
             out.append("poison_max_deaths: must be >= 1")
         if self.chunk_tokens < 1:
             out.append("chunk_tokens: must be >= 1")
+        if self.stream_interval < 1:
+            out.append("stream_interval: must be >= 1")
         if self.max_attempts < 1:
             out.append("max_attempts: must be >= 1")
         if self.stall_timeout_s <= 0 or self.request_timeout_s <= 0:

@@ -12,7 +12,8 @@
 The CPU engine emulates a real model's per-step latency with --step-delay-ms (default 5 ms), since the
 tiny model decodes in ~0.5 ms and would make any client look expensive.
 Last line: RESULT ratio=.. (kill -> finish at a 90% kill, retry / resume) ... front_overhead_pct=..
-Usage: python bench/token_recovery.py [--quick] [--tokens N] [--repeats R] [--step-delay-ms D]
+Usage: python bench/token_recovery.py [--quick] [--tokens N] [--repeats R] [--step-delay-ms D] [--front-only]
+       [--stream-interval K]   (K > 1: a chunk every K tokens; a kill may then regenerate up to K - 1 tokens)
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ async def main_async(args) -> None:
     overrides = ["belayer.use_fault_tolerance=true", "belayer.shadow.num_standby=0",
                  f"belayer.engines.cpu_step_delay_ms={args.step_delay_ms}", "belayer.restart.backoff_initial_s=0",
                  "belayer.restart.max_restarts=100", "belayer.monitor.boot_grace_s=0",
-                 "belayer.router.disable_retries=false"]
+                 "belayer.router.disable_retries=false", f"belayer.recovery.stream_interval={args.stream_interval}"]
     cfg, _ = load_belayer_config("fleet_demo", overrides)
     init_ray(cfg.ray)
     run_dir = Path(tempfile.mkdtemp(prefix="belayer-bench-tokens-"))
@@ -172,7 +173,8 @@ async def main_async(args) -> None:
             await generate(c, fm.url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": n, "temperature": 0.0,
                                                                               "ignore_eos": True}}, 600)
             t_ff = time.monotonic() - t0
-        print(f"{n}-token greedy request, {args.step_delay_ms} ms emulated step latency; fault-free {t_ff:.2f} s; "
+        print(f"recovery.stream_interval={args.stream_interval}; "
+              f"{n}-token greedy request, {args.step_delay_ms} ms emulated step latency; fault-free {t_ff:.2f} s; "
               f"{args.repeats} repeats per arm and kill point")
         ratio90 = float("nan")
         for frac in (() if args.front_only else (0.5, 0.9)):
@@ -210,7 +212,8 @@ async def main_async(args) -> None:
               f"rounds: router {r:.0f} tok/s | front {f:.0f} tok/s | overhead {overhead:.2f}% (median of pairs; "
               f"pairs {paired[0]:.1f}..{paired[-1]:.1f}%) (goal <= 2%)")
         figures.append(f"router_tok_s={r:.0f} front_tok_s={f:.0f} front_overhead_pct={overhead:.2f} "
-                       f"front_pairs={pairs} fault_free_s={t_ff:.2f} repeats={args.repeats}")
+                       f"front_pairs={pairs} stream_interval={args.stream_interval} fault_free_s={t_ff:.2f} "
+                       f"repeats={args.repeats}")
     finally:
         await front.stop()
         await gen.aclose()
@@ -225,6 +228,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=0)
     ap.add_argument("--step-delay-ms", type=float, default=5.0)
     ap.add_argument("--front-only", action="store_true", help="only the front's failure-free overhead")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="recovery.stream_interval: the engines send a chunk every k tokens (1: every token)")
     args = ap.parse_args()
     args.tokens = args.tokens or (400 if args.quick else 1500)
     args.repeats = args.repeats or (3 if args.quick else 5)

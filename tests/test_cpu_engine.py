@@ -89,6 +89,15 @@ async def test_streamed_text_is_decoded_incrementally_and_equals_the_full_decode
     assert chunks[-1]["text"] == plain["text"] and chunks[-1]["output_ids"] == plain["output_ids"]
 
 
+async def test_a_stream_interval_sends_the_first_token_at_once_then_a_chunk_every_k_tokens(cpu_server):
+    chunks = await _stream(cpu_server.url, PROMPT, {**GREEDY, "stream_interval": 4})
+    sizes = [len(ch["output_ids"]) for ch in chunks]
+    assert sizes[0] == 1 and sizes[-1] == GREEDY["max_new_tokens"]
+    assert all(b - a >= 4 for a, b in zip(sizes[:-1], sizes[1:-1])), sizes  # as SGLang: never fewer unsent
+    assert len(chunks) <= 2 + GREEDY["max_new_tokens"] // 4
+    assert chunks[-1]["output_ids"] == (await _gen(cpu_server.url, PROMPT))["output_ids"]
+
+
 def test_a_reader_that_falls_behind_parses_only_the_newest_cumulative_chunk():
     from belayer_plugin.generation.sglang_http import newest_event
 
@@ -157,6 +166,7 @@ async def test_concurrent_requests_progress_together(cpu_server):
     (json.dumps({"input_ids": [1, 99999]}).encode(), "out of range"),
     (json.dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}).encode(), "max_new_tokens"),
     (json.dumps({"input_ids": [1], "sampling_params": {"temperature": "hot"}}).encode(), "temperature"),
+    (json.dumps({"input_ids": [1], "sampling_params": {"stream_interval": 0}}).encode(), "stream_interval"),
     (json.dumps({"input_ids": [1], "sampling_params": {"bogus": 1}}).encode(), "unknown sampling_params: bogus"),
     (json.dumps({"input_ids": [1], "no_such_field": 1}).encode(), "unknown fields: no_such_field"),
     (json.dumps({"input_ids": [1], "return_hidden_states": True}).encode(), "not supported"),

@@ -134,6 +134,24 @@ async def test_kill_at_random_token_every_request_completes_with_golden_ids_and_
         assert fm.events.find(lambda e: e.kind == "resumed")
 
 
+async def test_with_a_stream_interval_chunks_commit_k_tokens_and_a_killed_request_still_ends_as_golden(
+        tmp_path, tiny_model):
+    async with fleet_and_front(tmp_path, tiny_model, "belayer.recovery.stream_interval=4") as (fm, gen, front):
+        golden = await _golden(fm.slots["engine-0"].info.url)
+        seen: list[tuple[int, int]] = []  # (segment index, committed) at each commit
+
+        def kill_at_100(clog, seg):
+            seen.append((len(clog.segments), clog.committed))
+            if len(clog.segments) == 1 and clog.committed >= 100:
+                os.kill(fm.slots[seg.engine].info.pid, signal.SIGKILL)
+
+        clog, resp = await gen.generate("k4", PROMPTS[0], GREEDY, on_progress=kill_at_100)
+        assert resp["output_ids"] == golden[0]
+        assert len(clog.segments) >= 2 and clog.segments[1].start >= 100
+        first = [c for i, c in seen if i == 1]
+        assert first[0] == 1 and all(b - a >= 4 for a, b in zip(first[1:], first[2:])), first
+
+
 async def test_a_hung_engine_is_abandoned_after_the_stall_timeout_and_the_request_resumes(tmp_path, tiny_model):
     async with fleet_and_front(tmp_path, tiny_model, "belayer.recovery.stall_timeout_s=1",
                                "belayer.monitor.probe_timeout_s=3") as (fm, gen, front):

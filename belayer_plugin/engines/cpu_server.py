@@ -36,10 +36,10 @@ _PREFILL_MS_PER_1K = 0.0  # test-only chaos switch (--chaos-prefill-ms-per-1k-to
 # Sampling parameters SGLang accepts that this engine honours, and those it accepts but ignores because
 # they have no effect on the tiny model's single-sequence decoding (rejecting them would break trainers).
 _SAMPLING_USED = {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "sampling_seed",
-                  "stop_token_ids", "ignore_eos", "stop", "min_new_tokens"}
+                  "stop_token_ids", "ignore_eos", "stop", "min_new_tokens", "stream_interval"}
 _SAMPLING_IGNORED = {"n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                      "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-                     "regex", "json_schema", "ebnf", "custom_params", "logit_bias", "stream_interval"}
+                     "regex", "json_schema", "ebnf", "custom_params", "logit_bias"}
 _TOP_LEVEL = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
               "top_logprobs_num", "rid", "return_text_in_logprobs", "lora_path", "session_params",
               "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
@@ -69,6 +69,7 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     min_new_tokens: int = 0
+    stream_interval: int = 1  # streaming: a chunk every this many tokens (SGLang's per-request setting)
 
 
 def _as_int(name: str, v: Any, lo: int, hi: int = 2**63 - 1) -> int:
@@ -99,6 +100,8 @@ def parse_sampling(raw: Any) -> Sampling:
         s.max_new_tokens = _as_int("max_new_tokens", raw["max_new_tokens"], 0)
     if raw.get("min_new_tokens") is not None:
         s.min_new_tokens = _as_int("min_new_tokens", raw["min_new_tokens"], 0)
+    if raw.get("stream_interval") is not None:
+        s.stream_interval = _as_int("stream_interval", raw["stream_interval"], 1)
     if raw.get("temperature") is not None:
         s.temperature = _as_float("temperature", raw["temperature"], 0.0, 100.0)
     if raw.get("top_p") is not None:
@@ -510,15 +513,20 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
                 return web.json_response(_response(eng, req))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
+            sent = 0  # ids in the last chunk sent
             while True:
                 item = await req.queue.get()
                 # SGLang's chunks are cumulative: every chunk carries all ids so far.
                 if item is None:
                     await resp.write(b"data: " + orjson.dumps(_response(eng, req)) + b"\n\ndata: [DONE]\n\n")
                     break
-                if req.queue.empty():  # coalesce: a slow reader gets the newest state, not a backlog
+                # As SGLang: the first token at once, then whenever stream_interval tokens are unsent.
+                unsent = len(req.output_ids) - sent
+                if req.queue.empty() and (unsent >= req.sampling.stream_interval or (sent == 0 and unsent > 0)):
+                    # (and coalesced: a slow reader gets the newest state, not a backlog)
                     chunk = _response(eng, req, text=eng.stream_text(req))
                     await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                    sent = len(req.output_ids)
             return resp
         finally:
             if req.finish_reason is None:  # the client went away: stop decoding for it

@@ -334,6 +334,8 @@ class ResumableGenerator:
         params.pop("seed", None)
         if seed is not None:
             params[key] = seed
+        if self.cfg.mode == "stream" and self.cfg.stream_interval > 1 and "stream_interval" not in params:
+            params["stream_interval"] = self.cfg.stream_interval
         rid = log.rid if attempt == 0 else f"{log.rid}.r{attempt}"
         return {"input_ids": log.resume_input_ids(), "sampling_params": params, "rid": rid,
                 # Logprobs only when asked: cumulative stream chunks make them cost O(n^2) bytes.
