@@ -728,11 +728,13 @@ class FleetManager:
         # A slot whose engine died and was replaced (handover, restart) during the refit has a new incarnation
         # that its own path brought to this version: only the incarnation we tried to update can be stale.
         incarnations = {s.slot_id: s.health.incarnation for s in targets}
-        if self.shadows is not None:
-            # Off the refit barrier: the trainer waits for the serving engines only. A standby still loading
-            # when it is needed finishes first (the handover settles it), then its version is checked.
-            self.shadows.refit_in_background(self.weights)
         results = await asyncio.gather(*(self._update_weights(s, self.weights) for s in targets))
+        if self.shadows is not None:
+            # Off the refit barrier: the trainer waits for the serving engines only, and the standbys start
+            # loading only once those are done (on shared CPUs a standby loading beside them slowed the barrier
+            # by ~2.5% of a step: bench/overhead.py). A standby needed before it is current is brought up to
+            # date by the handover itself (which settles a refit under way, then checks the version).
+            self.shadows.refit_in_background(self.weights)
         bad = []
         for s, ok in zip(targets, results):
             if not ok and s.health.state in (State.HEALTHY, State.SUSPECT) \
