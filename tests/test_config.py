@@ -63,6 +63,7 @@ def test_invalid_values_and_unknown_keys_are_all_reported():
     raw["restart"]["backoff_multiplier"] = 0.5
     raw["use_fault_tolerance"] = "yes"
     raw["engines"]["num_enignes"] = 3
+    raw["shadow"]["standby_nice"] = 20
     with pytest.raises(ConfigError) as ei:
         validate(raw)
     msg = str(ei.value)
@@ -72,6 +73,7 @@ def test_invalid_values_and_unknown_keys_are_all_reported():
     assert "belayer.restart.backoff_multiplier: must be >= 1" in msg
     assert "belayer.use_fault_tolerance: expected true/false" in msg
     assert "belayer.engines.num_enignes: unknown key" in msg
+    assert "belayer.shadow.standby_nice: must be in 0..19" in msg
 
 
 def test_cross_section_problem_is_reported():

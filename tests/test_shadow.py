@@ -29,6 +29,17 @@ def ev(kind, subject=None):
     return lambda e: e.kind == kind and (subject is None or e.subject == subject)
 
 
+def server_nices(pid: int) -> set[int]:
+    """The nice values of every thread of an engine server (nice is per thread on Linux)."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return out
+
+
 async def test_shadow_takes_over_within_a_second_under_load_and_is_replaced(tmp_path, tiny_model):
     async with fleet(tmp_path, tiny_model) as fm:
         assert len(fm.shadows.ready) == 1
@@ -80,6 +91,11 @@ async def test_keep_warm_refit_updates_standbys_off_the_refit_barrier_and_a_hand
         # A standby that cannot answer (SIGSTOPped) does not hold the trainer's refit: it returns once the
         # serving engines hold v7, and the standby catches up when it runs again.
         sh = fm.shadows.ready[0]
+        # Parked in the background (shadow.standby_nice, 10 by default): every thread of its server runs 10
+        # nicer than the serving engines, so its refits yield the CPU to them.
+        base = os.getpriority(os.PRIO_PROCESS, fm.slots["engine-0"].info.pid)
+        assert server_nices(fm.slots["engine-0"].info.pid) == {base}
+        assert sh.nice == 10 and server_nices(sh.info.pid) == {min(19, base + 10)}
         os.kill(sh.info.pid, signal.SIGSTOP)
         try:
             t0 = time.time()
@@ -100,6 +116,8 @@ async def test_keep_warm_refit_updates_standbys_off_the_refit_barrier_and_a_hand
         reg = await fm.events.wait_for(ev("registered", "engine-0"), 30, since=t1)
         assert reg.figures["version"] == "v9" and fm.slots["engine-0"].info.url == sh.info.url
         assert await sh.actor.weight_version.remote() == "v9"
+        # Its refits ran in the background (threads they started inherit the nice); serving, it is back to normal.
+        assert sh.nice == 0 and server_nices(sh.info.pid) == {base}
         assert fm.events.find(lambda e: e.t >= t1 and e.kind == "handover" and e.subject == "engine-0")
         assert not fm.events.find(lambda e: e.t >= t1 and e.kind in ("handover_failed", "shadow_lost"))
 

@@ -11,6 +11,7 @@ import asyncio
 import ctypes
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,51 @@ class EngineInfo:
     started_s: float  # process start to healthy
 
 
+def can_restore_priority() -> bool:
+    """Whether this process may lower a nice value it raised (root with CAP_SYS_NICE, or RLIMIT_NICE allows
+    it): tried on a throwaway thread, since nice is per thread on Linux."""
+    ok: list[bool] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        try:
+            base = os.getpriority(os.PRIO_PROCESS, tid)
+            if base >= 19:
+                return
+            os.setpriority(os.PRIO_PROCESS, tid, base + 1)
+            os.setpriority(os.PRIO_PROCESS, tid, base)
+            ok.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=probe, name="belayer-nice-probe", daemon=True)
+    t.start()
+    t.join(5.0)
+    return bool(ok)
+
+
+def renice_tree(pid: int, nice: int) -> None:
+    """Sets the nice value of every thread of process `pid` and of its descendants (SGLang's scheduler and
+    detokenizer are child processes; torch's worker threads each carry their own nice)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            tids = os.listdir(f"/proc/{p.pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            except OSError:  # the thread ended meanwhile
+                pass
+
+
 def _die_with_parent() -> None:
     # The server must not outlive its actor: a SIGKILLed actor cannot clean up, so the kernel does it.
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -59,6 +105,8 @@ class EngineActor:
         self.started_s = 0.0
         self.exit_code: Optional[int] = None
         self._exited = asyncio.Event()
+        self._nice = 0  # set_background's offset in effect
+        self._base_nice: Optional[int] = None  # the server's own priority when first moved
 
     async def start(self) -> EngineInfo:
         """Starts the server and returns once it answers /health; raises EngineStartError otherwise."""
@@ -142,6 +190,24 @@ class EngineActor:
             except ValueError:
                 data = r.text
             return {"status": r.status_code, "body": data}
+
+    async def set_background(self, nice: int) -> int:
+        """Runs the server `nice` steps below its start-up CPU priority (0: back to it); returns the offset now
+        in effect. A standby parks in the background so that its refits yield the CPU to serving engines; it
+        is put there only where it can be brought back (`can_restore_priority`): a promoted standby must never
+        serve at reduced priority. Returns 0 without a change where it could not come back."""
+        if self.proc is None or self._exited.is_set():
+            return self._nice
+        if self._base_nice is None:
+            try:
+                self._base_nice = os.getpriority(os.PRIO_PROCESS, self.proc.pid)
+            except OSError:
+                return self._nice
+        if nice > 0 and not await asyncio.to_thread(can_restore_priority):
+            return self._nice
+        await asyncio.to_thread(renice_tree, self.proc.pid, min(19, self._base_nice + max(0, nice)))
+        self._nice = max(0, nice)
+        return self._nice
 
     async def kill(self, sig: int = signal.SIGKILL) -> None:
         """Sends `sig` to the server's process group."""

@@ -615,6 +615,10 @@ class FleetManager:
         want = self.weights
         try:
             async with asyncio.timeout(self.cfg.shadow.handover_timeout_s):
+                if sh.nice:  # back to normal priority first: a refit under way then finishes at full speed
+                    sh.nice = await sh.actor.set_background.remote(0)
+                    if sh.nice:
+                        raise RuntimeError(f"its server stays {sh.nice} nicer than normal")
                 await ShadowPool.settle(sh)  # a background refit of it finishes first
                 await sh.actor.ping.remote()
                 if sh.memory_released:

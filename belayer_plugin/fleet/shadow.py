@@ -31,6 +31,7 @@ class Shadow:
     memory_released: bool = False
     watcher: Optional[asyncio.Task] = None
     refit_task: Optional[asyncio.Task] = None  # a background refit under way (refit_in_background)
+    nice: int = 0  # how much nicer than normal its server runs while parked (shadow.standby_nice)
 
 
 class ShadowPool:
@@ -88,17 +89,20 @@ class ShadowPool:
                 # GPU: a standby holds neither weights nor KV cache (unverified here: no-op on CPU SGLang)
                 await actor.call.remote("POST", "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
                 released = True
+            # Parked in the background: on shared CPUs its refits (and any other work) yield to the serving
+            # engines. 0 where the priority could not be restored at handover (the actor checks).
+            nice = await actor.set_background.remote(self.cfg.standby_nice) if self.cfg.standby_nice else 0
         except Exception as e:
             self._starting.pop(sid, None)
             self._kill(actor)
             fm.events.emit("shadow", sid, "shadow_failed", f"{type(e).__name__}: {e}"[:300], level="warning")
             return None
         self._starting.pop(sid, None)
-        sh = Shadow(sid, actor, info, version, released)
+        sh = Shadow(sid, actor, info, version, released, nice=nice)
         sh.watcher = asyncio.create_task(self._watch(sh), name=f"watch-{sid}")
         self.ready.append(sh)
         fm.events.emit("shadow", sid, "shadow_ready", f"standing by at {info.url}", version=version,
-                       took_s=round(time.monotonic() - t0, 3), pool=len(self.ready))
+                       took_s=round(time.monotonic() - t0, 3), pool=len(self.ready), nice=nice)
         return sh
 
     async def _update(self, actor: Any, weights: Any) -> str:
