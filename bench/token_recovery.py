@@ -228,12 +228,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=0)
     ap.add_argument("--step-delay-ms", type=float, default=5.0)
     ap.add_argument("--front-only", action="store_true", help="only the front's failure-free overhead")
+    ap.add_argument("--uvloop", action="store_true", help="run on uvloop's event loop (pip install uvloop)")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="recovery.stream_interval: the engines send a chunk every k tokens (1: every token)")
     args = ap.parse_args()
     args.tokens = args.tokens or (400 if args.quick else 1500)
     args.repeats = args.repeats or (3 if args.quick else 5)
-    asyncio.run(main_async(args))
+    if args.uvloop:  # the whole bench process (front and clients alike) on uvloop's event loop
+        import uvloop
+
+        uvloop.run(main_async(args))
+    else:
+        asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

@@ -177,6 +177,49 @@ def test_measured_visible_waits_raise_the_overhead_estimate_and_hidden_ones_lowe
     p.close()
 
 
+def test_a_hidden_checkpoint_that_slows_the_generation_beside_it_is_not_free():
+    # On shared CPUs a checkpoint overlapped with generation waits for nothing visible, yet the generation
+    # beside it takes longer: that slowdown is its cost, and a saving below it is no reason to checkpoint.
+    assert visible_overhead(inputs(async_checkpoint=True, est_checkpoint_s=1.0, est_generation_s=3.0,
+                                   measured_slowdown_s=1.3)) == pytest.approx(1.3)
+    d = decide(inputs(async_checkpoint=True, failure_prob=0.02, work_since_last_s=6.0, est_checkpoint_s=1.0,
+                      est_generation_s=3.0, measured_slowdown_s=1.3))
+    assert not d.take and d.visible_overhead_s == pytest.approx(1.3)
+
+
+def test_generations_overlapped_by_a_checkpoint_are_measured_against_those_that_were_not():
+    clock = FakeClock()
+    release = threading.Event()
+    p = CheckpointPolicy(lambda b: release.wait(10) and f"ck{b}", failure_prob=1.0, min_overhead_s=0.0,
+                         async_checkpoint=True, overhead_ema=0.5, clock=clock)
+    for _ in range(2):  # clean generations: 2 s each
+        clock.t += 2.0
+        p.note_work(2.0, action_done=True)
+    assert p.est_clean_generation_s == pytest.approx(2.0) and p.measured_slowdown_s == 0.0
+    fut = p.maybe_checkpoint_async(2)
+    clock.t += 3.0  # the next generation runs beside it and takes 3 s
+    p.note_work(3.0)
+    release.set()
+    fut.result(timeout=10)
+    assert p.measured_slowdown_s == pytest.approx(0.5)  # EMA (0.5) of +1 s
+    assert p.inputs(3).measured_slowdown_s == pytest.approx(0.5)
+    assert visible_overhead(p.inputs(3)) == pytest.approx(0.5)  # nothing was waited for, yet not free
+    clock.t += 10.0  # long after the checkpoint: a clean generation again, the slowdown estimate stays
+    p.note_work(2.0)
+    assert p.measured_slowdown_s == pytest.approx(0.5) and p.est_clean_generation_s == pytest.approx(2.0)
+    # A checkpoint that did not slow its neighbour (here: a faster one) brings the estimate back down,
+    # never below zero.
+    release.clear()
+    p.note_work(0.1, kind="action", action_done=True)
+    fut = p.maybe_checkpoint_async(4)
+    clock.t += 1.0
+    p.note_work(1.0)
+    release.set()
+    fut.result(timeout=10)
+    assert p.measured_slowdown_s == 0.0  # 0.5 * 0.5 + 0.5 * (1 - 2) < 0
+    p.close()
+
+
 def test_background_checkpoints_run_nicer_than_the_rollout_and_so_do_the_processes_they_start():
     import os
     import subprocess

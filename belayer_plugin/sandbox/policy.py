@@ -2,7 +2,9 @@
 
 expected_saved_s = failure_prob x work_since_last_s (LLM generation + action time a failure would redo);
 visible_overhead_s = max(min_overhead_s, est_checkpoint_s - est_generation_s) when the checkpoint overlaps
-the next LLM generation (async), else est_checkpoint_s. `decide` is pure; `CheckpointPolicy` runs the
+the next LLM generation (async), else est_checkpoint_s; and never less than what checkpoints were measured
+to cost: the agent's waits for them, and how much longer the generations they overlapped took than those
+without one (a hidden checkpoint is not free where it shares the CPU with the engine that generates). `decide` is pure; `CheckpointPolicy` runs the
 checkpoints on one worker thread, measures what the agent actually waited for, and cools down after a
 checkpoint timed out or failed.
 """
@@ -10,6 +12,7 @@ checkpoint timed out or failed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import os
@@ -40,6 +43,7 @@ class PolicyInputs:
     in_flight: bool
     enabled: bool = True
     measured_visible_s: float = 0.0  # running estimate of what each checkpoint actually made the agent wait
+    measured_slowdown_s: float = 0.0  # running estimate of how much a checkpoint lengthens the generation it overlaps
 
 
 @dataclass(frozen=True)
@@ -54,8 +58,9 @@ class Decision:
 def visible_overhead(inp: PolicyInputs) -> float:
     """What the agent is expected to wait for if it checkpoints now."""
     hidden = inp.est_generation_s if inp.async_checkpoint else 0.0
-    # The prediction can be optimistic (checkpoint times vary); what the agent really waited counts too.
-    return max(inp.min_overhead_s, inp.est_checkpoint_s - hidden, inp.measured_visible_s)
+    # The prediction can be optimistic (checkpoint times vary); what the agent really waited counts too, and so
+    # does the generation time a "hidden" checkpoint took from the engine (CPU engines, shared cores).
+    return max(inp.min_overhead_s, inp.est_checkpoint_s - hidden, inp.measured_visible_s, inp.measured_slowdown_s)
 
 
 def decide(inp: PolicyInputs) -> Decision:
@@ -131,6 +136,9 @@ class CheckpointPolicy:
         self.est_checkpoint_s = initial_checkpoint_s
         self.est_generation_s = 0.0
         self.measured_visible_s = 0.0
+        self.est_clean_generation_s = 0.0  # generations that no checkpoint overlapped (0: none seen yet)
+        self._slowdown_ema = 0.0  # signed: noise around a zero slowdown averages out instead of piling up
+        self._ck_spans: collections.deque = collections.deque(maxlen=4)  # [start, end or None] of recent runs
         self._waited_for_current = False
         self.work_since_last_s = 0.0
         self.actions_since_last = 0
@@ -169,6 +177,25 @@ class CheckpointPolicy:
             if kind == "generation":
                 self.est_generation_s = (seconds if self.est_generation_s == 0.0
                                          else (1 - self.alpha) * self.est_generation_s + self.alpha * seconds)
+                self._note_generation(seconds)
+
+    def _note_generation(self, seconds: float) -> None:
+        """Splits generations into those a checkpoint overlapped and those it did not; their difference is what
+        a checkpoint costs the generation beside it. Called with the lock held."""
+        end = self.clock()
+        start = end - seconds
+        overlapped = any(a < end and (b is None or b > start) for a, b in self._ck_spans)
+        if not overlapped:
+            self.est_clean_generation_s = (seconds if self.est_clean_generation_s == 0.0 else
+                                           (1 - self.alpha) * self.est_clean_generation_s + self.alpha * seconds)
+        elif self.est_clean_generation_s > 0.0:
+            self._slowdown_ema = (1 - self.alpha) * self._slowdown_ema + self.alpha * (
+                seconds - self.est_clean_generation_s)
+
+    @property
+    def measured_slowdown_s(self) -> float:
+        """How much longer a generation takes while a checkpoint runs beside it (running estimate, >= 0)."""
+        return max(0.0, self._slowdown_ema)
 
     def inputs(self, boundary: int) -> PolicyInputs:
         with self._lock:
@@ -179,7 +206,8 @@ class CheckpointPolicy:
                                 every_n_actions=self.every_n_actions,
                                 cooldown_left_s=max(0.0, self.cooldown_until - self.clock()),
                                 in_flight=self._future is not None and not self._future.done(), enabled=self.enabled,
-                                measured_visible_s=self.measured_visible_s)
+                                measured_visible_s=self.measured_visible_s,
+                                measured_slowdown_s=self.measured_slowdown_s)
 
     def maybe_checkpoint_async(self, boundary: int) -> Optional[concurrent.futures.Future]:
         """Decides; if yes, starts the checkpoint (in the background when async) and returns its future.
@@ -196,20 +224,27 @@ class CheckpointPolicy:
         self.stats.taken += 1
         with self._lock:
             covered = (self.work_since_last_s, self.actions_since_last)
+            span = [self.clock(), None]  # in flight from now on (the worker thread may start a moment later)
+            self._ck_spans.append(span)
         if self.async_checkpoint:
-            fut = self._pool.submit(self._run, boundary, covered)
+            fut = self._pool.submit(self._run, boundary, covered, span)
         else:
             fut = concurrent.futures.Future()
             t0 = self.clock()
-            fut.set_result(self._run(boundary, covered))
+            fut.set_result(self._run(boundary, covered, span))
             self.stats.visible_wait_s += self.clock() - t0
         with self._lock:
             self._future = fut
             self._waited_for_current = not self.async_checkpoint
         return fut
 
-    def _run(self, boundary: int, covered: tuple[float, int]) -> Any:
-        t0 = self.clock()
+    def _run(self, boundary: int, covered: tuple[float, int], span: list) -> Any:
+        try:
+            return self._run_checkpoint(boundary, covered, self.clock())
+        finally:
+            span[1] = self.clock()
+
+    def _run_checkpoint(self, boundary: int, covered: tuple[float, int], t0: float) -> Any:
         try:
             ck = self.checkpoint_fn(boundary)
         except CheckpointTimeout as e:
