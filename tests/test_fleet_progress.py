@@ -129,6 +129,20 @@ def test_recent_tokens_answer_readiness_only_until_the_silence_is_overdue_or_rep
     assert t.served_within("e0", 1, 2.0, last + 2.5) and not t.served_within("e0", 1, 2.0, last + 3.8)
 
 
+
+def test_tokens_streamed_before_a_reported_fault_do_not_answer_readiness():
+    # A killed engine's last tokens are recent: without this, readiness from tokens turned the SUSPECT that a
+    # failed request raised back to HEALTHY before liveness saw the death.
+    t = _tracker()
+    last = _stream(t, 0.0, 0.01, 10)
+    assert t.served_within("e0", 1, 2.0, last + 0.1)
+    t.fault("e0", 2)  # another incarnation's fault changes nothing here
+    assert t.served_within("e0", 1, 2.0, last + 0.1)
+    t.fault("e0", 1)
+    assert not t.served_within("e0", 1, 2.0, last + 0.1)
+    t.tokens("e0", 1, "r", last + 0.2)  # a token after the fault: it serves
+    assert t.served_within("e0", 1, 2.0, last + 0.3)
+
 # ---------------------------------------------------------------- real fleets (CPU engines, Ray, signals)
 PROMPT = [54, 280, 487, 423, 442]
 STEP_MS = 20

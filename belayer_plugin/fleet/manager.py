@@ -399,6 +399,8 @@ class FleetManager:
                    Signal.PROGRESS_STALLED) and s.fault_t is None \
                 and s.health.incarnation == incarnation:
             s.fault_t = time.time()
+        if sig in (Signal.PROBE_FAILED, Signal.REQUEST_FAILED, Signal.UNAVAILABLE, Signal.PROGRESS_STALLED):
+            self.monitor.fault_reported(slot_id, incarnation)
         tr = s.health.apply(sig, now, incarnation, reason)
         if tr is None:
             return

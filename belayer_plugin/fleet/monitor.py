@@ -138,6 +138,12 @@ class HealthMonitor:
             if ev is not None and w is not None and w.incarnation == incarnation:
                 ev.set()
 
+    def fault_reported(self, engine: str, incarnation: int) -> None:
+        """A fault signal reached the engine's health (from a client or a probe): readiness from tokens must
+        not clear it with tokens streamed before it (a killed engine's last tokens turned SUSPECT back to
+        HEALTHY for a moment, found by tests/test_sglang_fleet.py)."""
+        self.progress.fault(engine, incarnation)
+
     def request_ended(self, engine: str, incarnation: int, rid: str) -> None:
         """The request left the engine (finished, failed or moved elsewhere)."""
         if self.cfg.progress.enabled:

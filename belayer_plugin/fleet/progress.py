@@ -174,6 +174,13 @@ class ProgressTracker:
         d = self.deadline(engine)
         return d is None or now < d
 
+    def fault(self, engine: str, incarnation: int) -> None:
+        """A fault was reported for the incarnation (a request failed, a probe failed ...): tokens it streamed
+        before that no longer vouch for its readiness; only a token after it, or a real probe, does."""
+        e = self._get(engine, incarnation)
+        if e is not None:
+            e.last_served = None
+
     def silent_since(self, engine: str, incarnation: int) -> Optional[float]:
         """The time of the engine's last activity (None: unknown engine or incarnation)."""
         e = self._get(engine, incarnation)
