@@ -395,11 +395,9 @@ class FleetManager:
         if s is None or self._closing or s.draining:
             return  # a draining engine is being stopped on purpose: what it does now is no fault
         now = time.monotonic()
-        if sig in (Signal.PROBE_FAILED, Signal.REQUEST_FAILED, Signal.UNAVAILABLE,
-                   Signal.PROGRESS_STALLED) and s.fault_t is None \
-                and s.health.incarnation == incarnation:
-            s.fault_t = time.time()
         if sig in (Signal.PROBE_FAILED, Signal.REQUEST_FAILED, Signal.UNAVAILABLE, Signal.PROGRESS_STALLED):
+            if s.fault_t is None and s.health.incarnation == incarnation:
+                s.fault_t = time.time()
             self.monitor.fault_reported(slot_id, incarnation)
         tr = s.health.apply(sig, now, incarnation, reason)
         if tr is None:

@@ -4,9 +4,9 @@ expected_saved_s = failure_prob x work_since_last_s (LLM generation + action tim
 visible_overhead_s = max(min_overhead_s, est_checkpoint_s - est_generation_s) when the checkpoint overlaps
 the next LLM generation (async), else est_checkpoint_s; and never less than what checkpoints were measured
 to cost: the agent's waits for them, and how much longer the generations they overlapped took than those
-without one (a hidden checkpoint is not free where it shares the CPU with the engine that generates). `decide` is pure; `CheckpointPolicy` runs the
-checkpoints on one worker thread, measures what the agent actually waited for, and cools down after a
-checkpoint timed out or failed.
+without one (a hidden checkpoint is not free where it shares the CPU with the engine that generates).
+`decide` is pure; `CheckpointPolicy` runs the checkpoints on one worker thread, measures what the agent
+actually waited for, and cools down after a checkpoint timed out or failed.
 """
 
 from __future__ import annotations
