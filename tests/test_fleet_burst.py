@@ -16,9 +16,13 @@ from tests.test_fleet_recovery import running_fleet
 
 PROMPTS = [[54, 280, 487, 423, 442], [60, 61, 62], [100, 200, 300, 400], [7, 8, 9, 10, 11, 12]]
 GREEDY = {"max_new_tokens": 160, "temperature": 0.0, "ignore_eos": True}
-BURST = ["belayer.shadow.num_standby=2", "belayer.engines.cpu_step_delay_ms=2", "belayer.recovery.stall_timeout_s=10",
-         "belayer.shadow.fault_window_s=120", "belayer.restart.backoff_initial_s=0.2",
-         "belayer.restart.backoff_max_s=1", "belayer.monitor.boot_grace_s=60"]
+# Probes time out after 2 s and requests wait 30 s for an engine (the recipe's stall_timeout_s). A CI check on
+# a heavily loaded machine (2026-12-01) saw both slots restarting at once and 8 of 20 requests give up after
+# 10 s: 0.5 s probes of a CPU engine serving 4 streams on starved cores can fail twice running and fence a
+# live engine while the other slot cold-restarts. The hang is found by token progress either way.
+BURST = ["belayer.shadow.num_standby=2", "belayer.engines.cpu_step_delay_ms=2", "belayer.recovery.stall_timeout_s=30",
+         "belayer.monitor.probe_timeout_s=2", "belayer.shadow.fault_window_s=120",
+         "belayer.restart.backoff_initial_s=0.2", "belayer.restart.backoff_max_s=1", "belayer.monitor.boot_grace_s=60"]
 
 
 def ev(kind, subject=None):
