@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import statistics
 import sys
@@ -58,12 +59,13 @@ def main(argv=None) -> int:
     ap.add_argument("-k", type=int, default=None, help="actions before the fork (default 8)")
     ap.add_argument("--hold-mb", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--workers", type=int, default=0, help="restores/builds at a time (0: one per core)")
+    ap.add_argument("--workers", type=int, default=0, help="restores/builds at a time, both arms (0: two per core)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     n = args.n or (4 if args.quick else 8)
     k = args.k or (4 if args.quick else 8)
     repeats = args.repeats or (1 if args.quick else 3)
+    workers = args.workers or 2 * (os.cpu_count() or 1)  # fork_sandboxes' own default
 
     daemon = None
     if args.backend == "docker":
@@ -82,7 +84,7 @@ def main(argv=None) -> int:
         setup = make_setup(args.env, args.hold_mb)
         want = golden_state(k)
         print(f"{args.backend}, {args.env} env (hold {args.hold_mb} MB), fork into n={n} at k={k} actions, "
-              f"{repeats} repeat(s)")
+              f"{repeats} repeat(s), {workers} at a time")
         fork_t, ck_t, replay_t = [], [], []
         for r in range(repeats):
             parent = build_and_replay(backend, spec, setup, k)
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
                 t0 = time.monotonic()
                 ck = full_checkpoint(parent, k, store, "parent", mode="full", timeout_s=120)
                 t1 = time.monotonic()
-                forks = fork_sandboxes(ck, backend, n, store=store, timeout_s=120, workers=args.workers)
+                forks = fork_sandboxes(ck, backend, n, store=store, timeout_s=120, workers=workers)
                 t2 = time.monotonic()
                 try:
                     assert all(query_state(f) == want for f in forks), "a fork is not in the parent's state"
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
             finally:
                 parent.close()
             t3 = time.monotonic()
-            with ThreadPoolExecutor(max_workers=args.workers or None) as pool:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
                 built = list(pool.map(lambda _: build_and_replay(backend, spec, setup, k), range(n)))
             t4 = time.monotonic()
             try:

@@ -222,15 +222,15 @@ def _truncate_pages(st: Path) -> None:
         for p in pages:
             p.write_bytes(p.read_bytes()[: 4096])
         return
-    # podman: one zstd tar holding checkpoint/pages-*.img
-    export = st / "podman-checkpoint.tar.zst"
+    # podman: one (uncompressed) tar holding checkpoint/pages-*.img
+    export = st / "podman-checkpoint.tar"
     work = st / "x"
     work.mkdir()
-    subprocess.run(["tar", "--zstd", "-xf", str(export), "-C", str(work)], check=True)
+    subprocess.run(["tar", "-xf", str(export), "-C", str(work)], check=True)
     for p in work.rglob("pages-*.img"):
         p.write_bytes(p.read_bytes()[: 4096])
     export.unlink()
-    subprocess.run(["tar", "--zstd", "-cf", str(export), "-C", str(work), "."], check=True)
+    subprocess.run(["tar", "-cf", str(export), "-C", str(work), "."], check=True)
     shutil.rmtree(work)
 
 

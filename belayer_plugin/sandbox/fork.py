@@ -26,7 +26,8 @@ def fork_sandboxes(ck: Checkpoint, backend: Backend, n: int, *, store: Optional[
     """n running sandboxes restored from `ck`; all or none (a failed branch closes the others).
 
     The checkpoint is verified once up front (CheckpointCorrupt: nothing is started). `workers` restores
-    run at a time (0: one per core, at most n): CRIU restores are mostly I/O and kernel work. Backends
+    run at a time (0: two per core, at most n): a restore waits on the runtime's locks, CRIU and I/O for
+    much of its time (bench/fork.py, 8 forks on 2 cores: 4 at a time 1.3 s, 2 at a time 1.65 s). Backends
     that cannot restore one checkpoint concurrently (`parallel_restores = False`) restore one at a time.
     """
     if n < 1:
@@ -45,7 +46,7 @@ def fork_sandboxes(ck: Checkpoint, backend: Backend, n: int, *, store: Optional[
 
     if not getattr(backend, "parallel_restores", True):
         workers = 1
-    pool = ThreadPoolExecutor(max_workers=min(n, workers or os.cpu_count() or 1), thread_name_prefix="fork")
+    pool = ThreadPoolExecutor(max_workers=min(n, workers or 2 * (os.cpu_count() or 1)), thread_name_prefix="fork")
     futures = [pool.submit(one, sid) for sid in ids]
     pool.shutdown(wait=True)
     made, errors = [], []
