@@ -366,9 +366,23 @@ def test_weight_sync_abort_in_async_mode_waits_for_wake_up_and_reports_both_vers
     victim = run.ckpt.replicas[0]
 
     async def sync_mid_rollout():
+        import httpx
+
         await asyncio.wait_for(victim.server_handle.wait_served.remote(CHUNK), 60)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, run.ckpt.abort_replicas)
+        # The victim's requests run in lockstep, so right after wait_served all of them sit between chunks and an
+        # abort would find nothing to abort (CI saw it). SGLang's /pause_generation holds the engine's requests
+        # in place: the abort lands once a chunk is held there, then the engine goes on.
+        async with httpx.AsyncClient(base_url=victim.server_address, timeout=10) as engine:
+            (await engine.post("/pause_generation", json={})).raise_for_status()
+            try:
+                deadline = time.monotonic() + 30
+                while not (await engine.get("/server_info")).json()["running_rids"]:
+                    assert time.monotonic() < deadline, "no chunk reached the paused engine in 30 s"
+                    await asyncio.sleep(0.02)  # a state to observe, not an event: bounded poll
+                await loop.run_in_executor(None, run.ckpt.abort_replicas)
+            finally:
+                (await engine.post("/continue_generation", json={})).raise_for_status()
         await loop.run_in_executor(None, run.ckpt.sleep_replicas)
         run.step += 1
         await loop.run_in_executor(None, run.ckpt.update_weights, run.step)
@@ -390,7 +404,8 @@ def test_weight_sync_abort_in_async_mode_waits_for_wake_up_and_reports_both_vers
     for i in spans:  # a trajectory that spans two versions says so, token span by token span
         assert (nt["min_global_steps"][i], nt["max_global_steps"][i]) == (first, first + 1)
         assert [s[2] for s in nt["belayer"][i]["global_steps_spans"]] == [first, first + 1]
-    # chunks in flight were aborted and waited out (a request between chunks was parked at the gate instead)
+    # the chunk held in the engine was aborted and sent again once generation resumed (a request between
+    # chunks was parked at the gate instead)
     assert sum(b["weight_sync_aborts"] for b in nt["belayer"]) >= 1
     # not failures: every request stayed on its first server, nothing was evicted or restarted
     assert all(b["attempts"] == 1 for b in nt["belayer"])
