@@ -129,6 +129,47 @@ async def test_sigkill_while_memory_released_replacement_joins_released_then_ser
         assert not fm.events.find(lambda e: e.kind == "resume_failed")
 
 
+async def test_a_replacement_suspect_while_it_joins_the_released_phase_is_registered_at_its_next_healthy(
+        tmp_path, tiny_model):
+    """CI found the replacement unregistered for good: a probe timed out while it released its memory to join
+    the fleet's phase, and the probe after it made it HEALTHY with nobody left to register it."""
+    async with running_fleet(tmp_path, tiny_model) as fm:
+        await fm.pause(release_memory=True)
+        held: dict = {}
+
+        def blip_while_joining(e):
+            if e.subject != "engine-0" or e.kind != "transition":
+                return
+            if e.from_state == "STALE" and e.to_state == "HEALTHY" and "pid" not in held:
+                # current weights: the release that matches the fleet's phase now waits on a stopped server, and
+                # the next probe times out (SUSPECT)
+                held["pid"] = fm.slots["engine-0"].info.pid
+                os.kill(held["pid"], signal.SIGSTOP)
+            elif e.to_state == "SUSPECT" and "pid" in held and "cont" not in held:
+                # CI's order: the release returns while SUSPECT (probes held back here until it has returned)
+                held["cont"] = True
+                fm.monitor.unwatch("engine-0")
+                os.kill(held["pid"], signal.SIGCONT)
+
+        fm.events.subscribe(blip_while_joining)
+        t0 = time.time()
+        os.kill(fm.slots["engine-0"].info.actor_pid, signal.SIGKILL)
+        await fm.events.wait_for(ev("transition", "engine-0", "SUSPECT"), 60, since=t0)
+        s = fm.slots["engine-0"]
+        await asyncio.wait_for(asyncio.shield(s.recovery), 30)  # the restart has returned
+        assert s.health.state is State.SUSPECT and not s.registered
+        fm.monitor.watch("engine-0", s.health.incarnation, s.actor, s.info.url)  # probes again: HEALTHY
+        episode = await _recovered(fm, "engine-0", t0, timeout=30)
+        kinds = _order(episode)
+        assert kinds.index("SUSPECT") < kinds.index("registered") and kinds[-1] != "SUSPECT", kinds
+        assert fm.states()["engine-0"] == "HEALTHY"
+        async with httpx.AsyncClient() as c:
+            info = await get_json(c, s.info.url, "/get_server_info", 5)
+        assert info["memory_released"] is True, "the replacement must join in the fleet's phase"
+        await fm.resume()
+        await _assert_routable(fm, "engine-0")
+
+
 async def test_paused_engines_with_released_memory_are_never_killed(tmp_path, tiny_model):
     async with running_fleet(tmp_path, tiny_model) as fm:
         await fm.pause(release_memory=True)  # /health_generate now answers 503 on every engine

@@ -71,6 +71,8 @@ class Slot:
     handover_t: Optional[float] = None  # when a shadow last took this slot over (monotonic)
     rids: set[str] = field(default_factory=set)  # requests in flight on the current incarnation
     draining: bool = False  # planned drain under way: not routable, and its signals are no faults
+    # Made current while a probe blip held it SUSPECT: registered at its next HEALTHY (nobody else would).
+    register_when_healthy: bool = False
     # Requests a drain cut here: their cut is a move even when seen after a failed drain re-admitted the engine.
     drain_cut: set[str] = field(default_factory=set)
     # Memory tags this incarnation has released and not resumed. SGLang's scheduler dies (KeyError) when asked
@@ -405,6 +407,15 @@ class FleetManager:
         self._transition_event(tr)
         if tr.to_state is State.HEALTHY:
             s.fault_t = None
+            if s.register_when_healthy and s.served_version == self.weights.version:
+                s.register_when_healthy = False
+                try:
+                    await self._register(s)
+                except RouterError as e:
+                    await self._on_signal(s.slot_id, Signal.REQUEST_FAILED, s.health.incarnation,
+                                          f"register failed: {e}")
+        elif tr.to_state is not State.SUSPECT:
+            s.register_when_healthy = False  # DEAD, RESTARTING...: the next incarnation registers itself
         if sig is Signal.UNAVAILABLE and s.info is not None:
             self.check_node(s.info.node_id)
         if tr.to_state is State.DEAD:
@@ -518,6 +529,10 @@ class FleetManager:
                 await self._register(s)
             except RouterError as e:
                 await self._on_signal(s.slot_id, Signal.REQUEST_FAILED, s.health.incarnation, f"register failed: {e}")
+        elif s.health.state is State.SUSPECT:
+            # A probe failed while the phase was matched (CI: a 0.5 s probe timeout under load): the slot was
+            # left unregistered for good when its next probe turned it HEALTHY again. That HEALTHY registers it.
+            s.register_when_healthy = True
 
     async def _update_weights(self, s: Slot, want: Weights) -> bool:
         """Loads `want` into the engine and checks the version it then reports; False if it failed."""
