@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytest.importorskip("verl", reason="verl 0.9.1 not installed (bash .ci/setup_verl.sh)")
@@ -366,8 +367,6 @@ def test_weight_sync_abort_in_async_mode_waits_for_wake_up_and_reports_both_vers
     victim = run.ckpt.replicas[0]
 
     async def sync_mid_rollout():
-        import httpx
-
         await asyncio.wait_for(victim.server_handle.wait_served.remote(CHUNK), 60)
         loop = asyncio.get_running_loop()
         # The victim's requests run in lockstep, so right after wait_served all of them sit between chunks and an

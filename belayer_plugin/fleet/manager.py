@@ -409,11 +409,7 @@ class FleetManager:
             s.fault_t = None
             if s.register_when_healthy and s.served_version == self.weights.version:
                 s.register_when_healthy = False
-                try:
-                    await self._register(s)
-                except RouterError as e:
-                    await self._on_signal(s.slot_id, Signal.REQUEST_FAILED, s.health.incarnation,
-                                          f"register failed: {e}")
+                await self._try_register(s)
         elif tr.to_state is not State.SUSPECT:
             s.register_when_healthy = False  # DEAD, RESTARTING...: the next incarnation registers itself
         if sig is Signal.UNAVAILABLE and s.info is not None:
@@ -473,6 +469,13 @@ class FleetManager:
                              version=s.served_version)
         s.registered = True
 
+    async def _try_register(self, s: Slot) -> None:
+        """Registers `s`; a router that refuses it makes the slot SUSPECT (probes then confirm or clear it)."""
+        try:
+            await self._register(s)
+        except RouterError as e:
+            await self._on_signal(s.slot_id, Signal.REQUEST_FAILED, s.health.incarnation, f"register failed: {e}")
+
     async def _kill(self, s: Slot) -> None:
         import ray
 
@@ -525,10 +528,7 @@ class FleetManager:
         await self._apply(s, Signal.WEIGHTS_CURRENT, f"serves weight version {s.served_version}")
         await self._match_phase(s)
         if s.health.state is State.HEALTHY:
-            try:
-                await self._register(s)
-            except RouterError as e:
-                await self._on_signal(s.slot_id, Signal.REQUEST_FAILED, s.health.incarnation, f"register failed: {e}")
+            await self._try_register(s)
         elif s.health.state is State.SUSPECT:
             # A probe failed while the phase was matched (CI: a 0.5 s probe timeout under load): the slot was
             # left unregistered for good when its next probe turned it HEALTHY again. That HEALTHY registers it.
