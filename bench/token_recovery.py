@@ -9,9 +9,14 @@
    engine is restarted cold in both arms (no standby), competing for the same cores.
 2. Failure-free throughput of 16 concurrent requests through Belayer's /generate front vs straight to the
    router, in interleaved pairs of rounds (the order alternates): the median of the pairs' overheads.
+   Twice: streaming clients (front_overhead_pct: the engines stream a chunk per token on both paths) and
+   non-streaming clients (front_overhead_nonstream_pct: only the front path makes the engines stream, since
+   the front commits tokens from the stream, so the engines' own per-chunk cost lands on that path).
+   CPU seconds per generated token are read from /proc for the engines, the router and this process.
 The CPU engine emulates a real model's per-step latency with --step-delay-ms (default 5 ms), since the
 tiny model decodes in ~0.5 ms and would make any client look expensive.
 Last line: RESULT ratio=.. (kill -> finish at a 90% kill, retry / resume) ... front_overhead_pct=..
+front_overhead_nonstream_pct=..
 Usage: python bench/token_recovery.py [--quick] [--tokens N] [--repeats R] [--step-delay-ms D] [--front-only]
        [--stream-interval K]   (K > 1: a chunk every K tokens; a kill may then regenerate up to K - 1 tokens)
 """
@@ -28,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,7 +44,7 @@ from belayer_plugin.fleet.launch import resolve_model_path  # noqa: E402
 from belayer_plugin.fleet.manager import FleetManager  # noqa: E402
 from belayer_plugin.generation.front import GenerationFront  # noqa: E402
 from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator  # noqa: E402
-from belayer_plugin.generation.sglang_http import GenerateError, generate, get_json  # noqa: E402
+from belayer_plugin.generation.sglang_http import GenerateError, generate, generate_stream, get_json  # noqa: E402
 from belayer_plugin.ray_cluster import init_ray  # noqa: E402
 
 PROMPT = [54, 280, 487, 423, 442]
@@ -140,6 +146,23 @@ async def token_resume(fm: FleetManager, gen: ResumableGenerator, n: int, frac: 
     return t_end - t0, t_end - t_kill, regen
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds used so far by each named process (its threads included)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        if pid == os.getpid():
+            t = os.times()
+            out[name] = t.user + t.system
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            out[name] = 0.0
+    return out
+
+
 async def throughput(url: str, n_req: int, n: int, rounds: int) -> float:
     sp = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
     rates = []
@@ -150,6 +173,51 @@ async def throughput(url: str, n_req: int, n: int, rounds: int) -> float:
                                           for i in range(n_req)))
             rates.append(sum(len(o["output_ids"]) for o in outs) / (time.monotonic() - t0))
     return statistics.median(rates)
+
+
+async def stream_throughput(url: str, n_req: int, n: int, stream_interval: int) -> float:
+    """Tokens per second of n_req concurrent streaming clients (each parses its newest chunk per read)."""
+    sp = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+    if stream_interval > 1:
+        sp["stream_interval"] = stream_interval  # the engines' work equal on both paths
+
+    async def one(s: aiohttp.ClientSession, i: int) -> int:
+        last: dict = {}
+        async for last in generate_stream(s, url, {"input_ids": PROMPT + [i % 50], "sampling_params": sp}, 600):
+            pass
+        return len(last["output_ids"])
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        t0 = time.monotonic()
+        outs = await asyncio.gather(*(one(s, i) for i in range(n_req)))
+        return sum(outs) / (time.monotonic() - t0)
+
+
+async def front_overhead(fm: FleetManager, front: GenerationFront, stream: bool, n_req: int, n: int, pairs: int,
+                         stream_interval: int) -> tuple[float, float, float, list[float], dict]:
+    """Throughput straight to the router vs through the front, in interleaved pairs of rounds (the order
+    alternates, so drift hits both alike); CPU seconds per component over each path's rounds."""
+    via = {"router": [], "front": []}
+    pids = {"engines": [s.info.pid for s in fm.serving_slots()], "router": [fm.router.proc.pid],
+            "client+front": [os.getpid()]}
+    cpu = {a: dict.fromkeys(pids, 0.0) for a in via}
+
+    def sample() -> dict[str, float]:
+        return {k: sum(cpu_seconds({str(p): p for p in v}).values()) for k, v in pids.items()}
+
+    for i in range(pairs):
+        for arm in (("router", "front") if i % 2 == 0 else ("front", "router")):
+            url = fm.url if arm == "router" else front.url
+            c0 = sample()
+            via[arm].append(await (stream_throughput(url, n_req, n, stream_interval) if stream
+                                   else throughput(url, n_req, n, 1)))
+            c1 = sample()
+            for k in pids:
+                cpu[arm][k] += c1[k] - c0[k]
+    toks = pairs * n_req * n
+    us = {a: {k: v / toks * 1e6 for k, v in d.items()} for a, d in cpu.items()}
+    paired = sorted((a - b) / a * 100 for a, b in zip(via["router"], via["front"]))
+    return (statistics.median(via["router"]), statistics.median(via["front"]), statistics.median(paired), paired, us)
 
 
 async def main_async(args) -> None:
@@ -201,18 +269,21 @@ async def main_async(args) -> None:
         await fm.wait_all_healthy(300)
         n_req, tp_tokens = (16, 128) if args.quick else (16, 256)
         pairs = 6 if args.quick else 12
-        via_router, via_front = [], []
-        for i in range(pairs):  # round by round, alternating which path goes first: drift hits both alike
-            for path in ((fm.url, front.url) if i % 2 == 0 else (front.url, fm.url)):
-                (via_router if path == fm.url else via_front).append(await throughput(path, n_req, tp_tokens, 1))
-        r, f = statistics.median(via_router), statistics.median(via_front)
-        paired = sorted((a - b) / a * 100 for a, b in zip(via_router, via_front))
-        overhead = statistics.median(paired)
-        print(f"failure-free throughput, {n_req} concurrent x {tp_tokens} tokens, {pairs} interleaved pairs of "
-              f"rounds: router {r:.0f} tok/s | front {f:.0f} tok/s | overhead {overhead:.2f}% (median of pairs; "
-              f"pairs {paired[0]:.1f}..{paired[-1]:.1f}%) (goal <= 2%)")
-        figures.append(f"router_tok_s={r:.0f} front_tok_s={f:.0f} front_overhead_pct={overhead:.2f} "
-                       f"front_pairs={pairs} stream_interval={args.stream_interval} fault_free_s={t_ff:.2f} "
+        for stream in (True, False):
+            r, f, overhead, paired, us = await front_overhead(fm, front, stream, n_req, tp_tokens, pairs,
+                                                              args.stream_interval)
+            kind = "streaming" if stream else "non-streaming"
+            print(f"  CPU per generated token (us), router path | front path: " + "; ".join(
+                f"{k} {us['router'][k]:.0f} | {us['front'][k]:.0f}" for k in us["router"]))
+            print(f"failure-free throughput, {n_req} concurrent {kind} clients x {tp_tokens} tokens, {pairs} "
+                  f"interleaved pairs of rounds: router {r:.0f} tok/s | front {f:.0f} tok/s | overhead "
+                  f"{overhead:.2f}% (median of pairs; pairs {paired[0]:.1f}..{paired[-1]:.1f}%)"
+                  + (" (goal <= 2%)" if stream else ""))
+            sfx = "" if stream else "_nonstream"
+            figures.append(f"router_tok_s{sfx}={r:.0f} front_tok_s{sfx}={f:.0f} front_overhead{sfx}_pct={overhead:.2f} "
+                           + " ".join(f"cpu_us_per_tok{sfx}_{k.replace('+', '_')}_{a}={us[a][k]:.0f}"
+                                      for k in us["router"] for a in ("router", "front")))
+        figures.append(f"front_pairs={pairs} stream_interval={args.stream_interval} fault_free_s={t_ff:.2f} "
                        f"repeats={args.repeats}")
     finally:
         await front.stop()

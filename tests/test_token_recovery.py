@@ -134,6 +134,63 @@ async def test_kill_at_random_token_every_request_completes_with_golden_ids_and_
         assert fm.events.find(lambda e: e.kind == "resumed")
 
 
+async def test_with_no_per_token_reader_chunks_are_parsed_per_segment_not_per_token_and_a_kill_loses_none(
+        tmp_path, tiny_model, monkeypatch):
+    """A non-streaming client (as trainers post) and a streaming one through the front, no observers: only the
+    newest chunk is kept and parsed when its segment ends; a SIGKILL still loses no token."""
+    from belayer_plugin.generation import resumable
+
+    parses = []
+    real_parse = resumable.parse_chunk
+    monkeypatch.setattr(resumable, "parse_chunk", lambda url, raw: parses.append(url) or real_parse(url, raw))
+    async with fleet_and_front(tmp_path, tiny_model) as (fm, gen, front):
+        golden = await _golden(fm.slots["engine-0"].info.url)
+        base = await _counters(fm)
+        killed: dict = {}
+        seen_chunks = {"lazy": 0}
+        progressed = gen.selector.progressed
+
+        def count_and_kill(target, rid):  # the per-chunk token-progress signal: no parse behind it
+            progressed(target, rid)
+            if rid == "lazy":
+                seen_chunks[rid] += 1
+                if seen_chunks[rid] == 60 and not killed:
+                    killed.update(url=target.url)
+                    os.kill(fm.slots[target.engine].info.pid, signal.SIGKILL)
+
+        gen.selector.progressed = count_and_kill
+        chunks = []
+        async with httpx.AsyncClient() as c:
+            async def streamed():
+                async with c.stream("POST", f"{front.url}/generate", json={
+                        "input_ids": PROMPTS[1], "sampling_params": GREEDY, "stream": True, "rid": "fwd"},
+                        timeout=120) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                            chunks.append(json.loads(line[5:]))
+
+            lazy, _ = await asyncio.gather(
+                generate(c, front.url, {"input_ids": PROMPTS[0], "sampling_params": GREEDY, "rid": "lazy"}, 120),
+                streamed())
+        assert killed, "the kill never happened"
+        assert lazy["output_ids"] == golden[0]
+        segs = lazy["meta_info"]["belayer"]["segments"]
+        assert len(segs) == 2 and segs[0]["url"] == killed["url"] and segs[1]["start"] >= 60
+        assert chunks[-1]["output_ids"] == golden[1] and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        # The streamed request's engine chunks were forwarded as they came, tagged, with no finish reason.
+        body = chunks[:-1]
+        assert len(body) >= 10 and all(ch["meta_info"]["finish_reason"] is None for ch in body)
+        assert all(ch["meta_info"]["belayer"]["attempt"] >= 1 and ch["meta_info"]["belayer"]["engine"] for ch in body)
+        assert all(golden[1][:len(ch["output_ids"])] == ch["output_ids"] for ch in body)
+        # 2 x 300 tokens streamed from the engines; a parse per token would be hundreds.
+        assert len(parses) <= 6, len(parses)
+        after = await _counters(fm)
+        for url, cnt in after.items():  # the survivor generated exactly what the segments on it account for
+            on_it = sum(sg["end"] - sg["start"] for out in (lazy, chunks[-1])
+                        for sg in out["meta_info"]["belayer"]["segments"] if sg["url"] == url)
+            assert cnt["generated_tokens"] - base.get(url, {}).get("generated_tokens", 0) == on_it, url
+
+
 async def test_with_a_stream_interval_chunks_commit_k_tokens_and_a_killed_request_still_ends_as_golden(
         tmp_path, tiny_model):
     async with fleet_and_front(tmp_path, tiny_model, "belayer.recovery.stream_interval=4") as (fm, gen, front):

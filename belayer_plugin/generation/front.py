@@ -56,6 +56,22 @@ def _validate(body: Any, tokenizer: Callable[[str], list[int]]) -> tuple[str, li
     return rid, ids, sp, bool(body.get("stream", False)), bool(body.get("return_logprob", False))
 
 
+def forwarded(raw: bytes, tag: bytes) -> bytes:
+    """An engine's intermediate chunk as the front sends it: with `meta_info.belayer` = tag and no finish reason.
+
+    The common case costs a byte search, not a parse and a re-encode: in JSON, `"meta_info":{` with bare
+    quotes can only be a key (quotes inside strings are escaped), so the tag is spliced in after it.
+    """
+    i = raw.find(b'"meta_info":{') + 13
+    if i >= 13 and raw[i:i + 1] != b"}" and b'"finish_reason":null' in raw:
+        return raw[:i] + b'"belayer":' + tag + b"," + raw[i:]
+    chunk = orjson.loads(raw)  # another encoder's spacing, or the engine's last chunk before [DONE]
+    meta = chunk.setdefault("meta_info", {})
+    meta["finish_reason"] = None
+    meta["belayer"] = orjson.loads(tag)
+    return orjson.dumps(chunk)
+
+
 class GenerationFront:
     """An aiohttp server in front of a ResumableGenerator."""
 
@@ -106,7 +122,15 @@ class GenerationFront:
         def progress(clog: ContextLog, seg: Segment) -> None:
             queue.put_nowait((clog, seg))
 
-        task = asyncio.create_task(self.gen.generate(rid, ids, sp, rl, on_progress=progress))
+        tags: dict[int, bytes] = {}
+
+        def chunk(raw: bytes, clog: ContextLog, seg: Segment) -> None:
+            tag = tags.get(id(seg))
+            if tag is None:
+                tag = tags[id(seg)] = orjson.dumps({"engine": seg.engine, "attempt": len(clog.segments)})
+            queue.put_nowait((raw, tag))
+
+        task = asyncio.create_task(self.gen.generate(rid, ids, sp, rl, on_progress=progress, on_chunk=chunk))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         text = IncrementalText(self.tokenizer)  # over all committed ids: a resume does not split the text
         try:
@@ -116,11 +140,14 @@ class GenerationFront:
                     break
                 if not queue.empty():
                     continue  # a slow reader gets the newest cumulative state, not a backlog
+                if isinstance(item[0], bytes):  # the engine's own chunk: nothing resumed yet
+                    await resp.write(b"data: " + forwarded(*item) + b"\n\n")
+                    continue
                 clog, seg = item
-                chunk = self.gen.response(clog, rl, text.update(clog.output_ids))
-                chunk["meta_info"]["finish_reason"] = None
-                chunk["meta_info"]["belayer"] = {"engine": seg.engine, "attempt": len(clog.segments)}
-                await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                out = self.gen.response(clog, rl, text.update(clog.output_ids))
+                out["meta_info"]["finish_reason"] = None
+                out["meta_info"]["belayer"] = {"engine": seg.engine, "attempt": len(clog.segments)}
+                await resp.write(b"data: " + orjson.dumps(out) + b"\n\n")
             try:
                 clog, _ = task.result()
             except RequestFailedError as e:

@@ -15,6 +15,7 @@ RequestPoisonedError, and the fleet is told so that those deaths cost no restart
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from belayer_plugin.events import EventLog
 from belayer_plugin.generation.context_log import ContextLog, Segment
 from belayer_plugin.generation.resume_policy import (UnsupportedRequestError, check_request, resume_refusals,
                                                      segment_seed, stop_strings)
-from belayer_plugin.generation.sglang_http import GenerateError, generate, generate_stream
+from belayer_plugin.generation.sglang_http import GenerateError, StreamBroken, generate, parse_chunk, stream_events
 
 
 class RequestFailedError(RuntimeError):
@@ -168,6 +169,9 @@ class StaticSelector:
 
 
 ProgressFn = Callable[[ContextLog, Segment], Optional[Awaitable[None]]]
+# Stream mode, a request's first segment only: each newest engine chunk, unparsed (raw `data:` payload, not the
+# final one). There it is exactly what the client of the request would be sent, so a front forwards it as is.
+ChunkFn = Callable[[bytes, ContextLog, Segment], None]
 # Chunked mode's one call to an engine: (engine url, SGLang /generate body, timeout) -> SGLang-shaped response.
 # Raises GenerateError (retriable: go on elsewhere). The default is HTTP /generate; trainer hooks plug in
 # their own (e.g. a Ray actor RPC) and keep the resume loop here.
@@ -213,8 +217,12 @@ class ResumableGenerator:
         self._streams = self._streams_loop = None
 
     async def generate(self, rid: str, input_ids: list[int], sampling_params: dict, return_logprob: bool = False,
-                       on_progress: Optional[ProgressFn] = None) -> tuple[ContextLog, dict]:
-        """Runs one request to completion; returns its context log and the final SGLang-style response."""
+                       on_progress: Optional[ProgressFn] = None, on_chunk: Optional[ChunkFn] = None
+                       ) -> tuple[ContextLog, dict]:
+        """Runs one request to completion; returns its context log and the final SGLang-style response.
+
+        `on_progress` is called at every commit; `on_chunk` (stream mode) with the engine's raw chunks while
+        they are the client's chunks verbatim, and `on_progress` is then called only after a resume."""
         sp = dict(sampling_params or {})
         try:
             check_request(sp)
@@ -227,7 +235,7 @@ class ResumableGenerator:
         outcome = "failed"
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
-                await self._run(log, sp, on_progress)
+                await self._run(log, sp, on_progress, on_chunk)
             outcome = "finished"
         except TimeoutError:
             raise RequestFailedError(rid, f"not finished within recovery.request_timeout_s="
@@ -239,7 +247,8 @@ class ResumableGenerator:
                                         g.end, g.outcome[:40]] for g in log.segments])
         return log, self.response(log, return_logprob)
 
-    async def _run(self, log: ContextLog, sp: dict, on_progress: Optional[ProgressFn]) -> None:
+    async def _run(self, log: ContextLog, sp: dict, on_progress: Optional[ProgressFn],
+                   on_chunk: Optional[ChunkFn] = None) -> None:
         exclude: set[str] = set()
         failures = 0
         refusals = resume_refusals(sp, can_check_stop=self._tokenizer is not None)
@@ -264,7 +273,7 @@ class ResumableGenerator:
             if seen is not None:
                 self.selector.started(target, log.rid, len(log.prompt_ids) + log.committed)
             try:
-                fr = await self._segment(log, seg, sp, seg_seed, on_progress,
+                fr = await self._segment(log, seg, sp, seg_seed, on_progress, on_chunk,
                                          None if seen is None else (lambda t=target: seen(t, log.rid)))
                 seg.outcome, seg.t_end = "finished", time.time()
                 if fr is not None:
@@ -342,27 +351,12 @@ class ResumableGenerator:
                 "return_logprob": log.want_logprobs}
 
     async def _segment(self, log: ContextLog, seg: Segment, sp: dict, seed: Optional[int],
-                       on_progress: Optional[ProgressFn], seen: Optional[Callable[[], None]] = None) -> Optional[dict]:
+                       on_progress: Optional[ProgressFn], on_chunk: Optional[ChunkFn] = None,
+                       seen: Optional[Callable[[], None]] = None) -> Optional[dict]:
         """Runs one segment on seg's engine; returns the finish reason, or raises GenerateError."""
         attempt = len(log.segments) - 1
         if self.cfg.mode == "stream":
-            body = self._body(log, sp, seed, log.remaining, attempt)
-            async for chunk in generate_stream(self._stream_session(), seg.url, body, timeout=self.cfg.stall_timeout_s,
-                                               read_timeout=self.cfg.stall_timeout_s):
-                meta = chunk.get("meta_info", {})
-                before = log.committed
-                if log.commit(seg, chunk.get("output_ids", []), meta.get("output_token_logprobs"),
-                              meta.get("weight_version")):
-                    if seen is not None:
-                        seen()
-                    hit = self._stop_across_cut(log, sp, before, seg.start)
-                    await self._progress(on_progress, log, seg)
-                    if hit is not None:
-                        return hit
-                fr = meta.get("finish_reason")
-                if fr:
-                    return _checked(fr, seg)
-            raise GenerateError(seg.url, "stream ended without a finish reason")
+            return await self._stream_segment(log, seg, sp, seed, attempt, on_progress, on_chunk, seen)
         # chunked: commit every chunk_tokens tokens
         while True:
             n = min(self.cfg.chunk_tokens, log.remaining)
@@ -386,6 +380,84 @@ class ResumableGenerator:
                 return fr
             if got == 0:
                 raise GenerateError(seg.url, "engine returned no tokens for a chunk")
+
+    async def _stream_segment(self, log: ContextLog, seg: Segment, sp: dict, seed: Optional[int], attempt: int,
+                              on_progress: Optional[ProgressFn], on_chunk: Optional[ChunkFn],
+                              seen: Optional[Callable[[], None]]) -> Optional[dict]:
+        """Stream mode: commits the engine's cumulative chunks; returns the finish reason or raises GenerateError.
+
+        A chunk is parsed and committed as it arrives only when something reads the committed state per token
+        (observers, `on_progress`, a stop string to find across a cut). Otherwise only the newest chunk is
+        kept, unparsed, and committed when the segment ends, fails or is cancelled: chunks are cumulative, so
+        the newest one holds every token the engine sent and a failure loses nothing; the per-token cost is
+        then a scan for the chunk's end.
+        """
+        first = seg.start == 0 and len(log.segments) == 1  # the engine's chunks are the client's, verbatim
+        stop_check = seg.start > 0 and bool(stop_strings(sp)) and self._tokenizer is not None
+        eager = bool(self.observers) or stop_check or (
+            on_progress is not None and not (first and on_chunk is not None))
+        pending: Optional[bytes] = None  # lazy mode: the newest chunk, not yet committed
+        prev: Optional[bytes] = None  # and the one before it, should the newest not parse
+
+        async def apply(raw: bytes) -> Optional[dict]:
+            chunk = parse_chunk(seg.url, raw)
+            meta = chunk.get("meta_info") or {}
+            before = log.committed
+            if log.commit(seg, chunk.get("output_ids", []), meta.get("output_token_logprobs"),
+                          meta.get("weight_version")):
+                hit = self._stop_across_cut(log, sp, before, seg.start)
+                if eager:
+                    await self._progress(on_progress, log, seg)
+                if hit is not None:
+                    return hit
+            fr = meta.get("finish_reason")
+            return _checked(fr, seg) if fr else None
+
+        async def flush() -> Optional[dict]:
+            nonlocal pending, prev
+            raw, fallback, pending, prev = pending, prev, None, None
+            try:
+                return await apply(raw) if raw is not None else None
+            except StreamBroken:
+                if fallback is None:
+                    raise
+                await apply(fallback)  # the newest did not parse: keep what the one before it holds
+                raise
+
+        body = self._body(log, sp, seed, log.remaining, attempt)
+        events = stream_events(self._stream_session(), seg.url, body, timeout=self.cfg.stall_timeout_s,
+                               read_timeout=self.cfg.stall_timeout_s)
+        try:
+            async with contextlib.aclosing(events):  # an early return closes the engine's stream at once
+                async for newest, done in events:
+                    if newest is not None:
+                        if seen is not None:
+                            seen()
+                        if eager:
+                            fr = await apply(newest)
+                            if fr is not None:
+                                return fr
+                        else:
+                            pending, prev = newest, pending
+                            if on_chunk is not None and not done and first:
+                                on_chunk(newest, log, seg)
+                    if done:
+                        break
+            fr = await flush()
+            if fr is None:
+                raise StreamBroken(seg.url, "stream ended with [DONE] but no finish_reason")
+            return fr
+        except GenerateError:
+            if pending is not None:
+                fr = await flush()  # the tokens it did send are kept; a finished chunk is a finished segment
+                if fr is not None:
+                    return fr
+            raise
+        except BaseException:  # cancelled (request timeout, client gone): commit what came, for the record
+            if pending is not None:
+                with contextlib.suppress(GenerateError):
+                    await flush()
+            raise
 
     def _stop_across_cut(self, log: ContextLog, sp: dict, before: int, engine_start: int) -> Optional[dict]:
         """When the engine's request began after `engine_start` > 0 committed tokens (a resumed segment, or

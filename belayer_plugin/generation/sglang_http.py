@@ -7,9 +7,10 @@ the stream simply stops.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import aiohttp
 import httpx
@@ -53,6 +54,42 @@ async def generate_stream(client: Union[httpx.AsyncClient, aiohttp.ClientSession
     """POSTs a streaming /generate and yields SGLang's cumulative chunks; raises StreamBroken on an early end.
 
     `read_timeout` bounds the wait for each chunk (a stalled engine), `timeout` the connection set-up.
+    """
+    last: Optional[dict] = None
+    events = stream_events(client, url, payload, timeout, read_timeout)
+    async with contextlib.aclosing(events):  # an early return releases the connection at once
+        async for newest, done in events:
+            if newest is not None:
+                last = parse_chunk(url, newest)
+                yield last
+            if done:
+                if last is None or not (last.get("meta_info") or {}).get("finish_reason"):
+                    raise StreamBroken(url, "stream ended with [DONE] but no finish_reason")
+                return
+
+
+def parse_chunk(url: str, data: bytes) -> dict:
+    """One SSE `data:` payload as SGLang's chunk dict; raises StreamBroken (invalid) or GenerateError (error chunk)."""
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise StreamBroken(url, f"invalid SSE chunk: {e}") from e
+    if not isinstance(chunk, dict):
+        raise StreamBroken(url, f"invalid SSE chunk: {data[:80]!r}")
+    if "error" in chunk and "output_ids" not in chunk:
+        raise GenerateError(url, f"error chunk: {chunk['error']}")
+    return chunk
+
+
+async def stream_events(client: Union[httpx.AsyncClient, aiohttp.ClientSession], url: str, payload: dict,
+                        timeout: float, read_timeout: Optional[float] = None
+                        ) -> AsyncIterator[tuple[Optional[bytes], bool]]:
+    """POSTs a streaming /generate and yields, for each block read, (the newest complete `data:` payload in it,
+    unparsed, or None; whether `[DONE]` came); it stops after `[DONE]` and raises StreamBroken on an end
+    without it.
+
+    SGLang's chunks are cumulative, so a reader parses only the payload it needs: a client that only wants
+    the final state and a resumable cut point parses one chunk per request, not one per token.
     An aiohttp session is the fast path (its C parser costs a fraction of httpx's per-chunk work, which was
     most of the front's CPU at one chunk per token); an httpx client works the same way.
     """
@@ -62,24 +99,12 @@ async def generate_stream(client: Union[httpx.AsyncClient, aiohttp.ClientSession
         blocks = _aiohttp_blocks(client, url, body, timeout, rt)
     else:
         blocks = _httpx_blocks(client, url, body, timeout, rt)
-    last: Optional[dict] = None
     tail = b""
-    async with contextlib.aclosing(blocks):  # an early return releases the connection at once
+    async with contextlib.aclosing(blocks):
         async for block in blocks:
-            newest, done, tail = newest_event(tail + block)
-            if newest is not None:
-                try:
-                    last = orjson.loads(newest)
-                except orjson.JSONDecodeError as e:
-                    raise StreamBroken(url, f"invalid SSE chunk: {e}") from e
-                if not isinstance(last, dict):
-                    raise StreamBroken(url, f"invalid SSE chunk: {newest[:80]!r}")
-                if "error" in last and "output_ids" not in last:
-                    raise GenerateError(url, f"error chunk: {last['error']}")
-                yield last
+            newest, done, tail = newest_event(tail + block if tail else block)
+            yield newest, done
             if done:
-                if last is None or not (last.get("meta_info") or {}).get("finish_reason"):
-                    raise StreamBroken(url, "stream ended with [DONE] but no finish_reason")
                 return
     raise StreamBroken(url, "stream ended without [DONE]")
 
@@ -97,18 +122,56 @@ async def _httpx_blocks(client: httpx.AsyncClient, url: str, body: dict, timeout
         raise StreamBroken(url, f"{type(e).__name__}: {e}") from e
 
 
+class _Stalled(Exception):
+    """No data came within the read timeout (set on the stream by its watchdog)."""
+
+
+class _ReadWatchdog:
+    """Bounds each wait for data with one timer per read timeout, not one per chunk: aiohttp's sock_read
+    re-arms a timer on every chunk received, a cost paid per token at one chunk per token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout: float, on_stall: Callable[[], None]):
+        self.loop, self.read_timeout, self.on_stall = loop, read_timeout, on_stall
+        self.waiting_since: Optional[float] = None  # set while a read waits; None while the consumer works
+        self._handle = loop.call_later(read_timeout, self._check)
+
+    def _check(self) -> None:
+        since = self.waiting_since
+        left = self.read_timeout if since is None else since + self.read_timeout - self.loop.time()
+        if left <= 0:
+            self.on_stall()
+            return
+        self._handle = self.loop.call_later(left, self._check)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 async def _aiohttp_blocks(session: aiohttp.ClientSession, url: str, body: dict, timeout: float,
                           read_timeout: float) -> AsyncIterator[bytes]:
-    # sock_read bounds each wait for data (a stalled engine), as httpx's read timeout does; no total limit:
-    # the caller's request timeout covers the whole request.
-    to = aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=timeout, sock_read=read_timeout)
+    # No total limit: the caller's request timeout covers the whole request. Each wait for data is bounded
+    # by the watchdog (a stalled engine), which counts only time spent waiting, not the consumer's.
+    to = aiohttp.ClientTimeout(total=None, connect=timeout, sock_connect=timeout)
+    loop = asyncio.get_running_loop()
     try:
         async with session.post(f"{url}/generate", data=orjson.dumps(body), timeout=to,
                                 headers={"Content-Type": "application/json"}) as resp:
             if resp.status != 200:
                 raise _http_error(url, resp.status, (await resp.read()).decode(errors="replace"))
-            async for block in resp.content.iter_any():
-                yield block
+            content = resp.content
+            watch = _ReadWatchdog(loop, read_timeout, lambda: content.set_exception(_Stalled()))
+            try:
+                while True:
+                    watch.waiting_since = loop.time()
+                    block = await content.readany()
+                    watch.waiting_since = None
+                    if not block:
+                        return
+                    yield block
+            finally:
+                watch.cancel()
+    except _Stalled:
+        raise StreamBroken(url, f"no data within the read timeout ({read_timeout:g} s)") from None
     except (aiohttp.ClientError, TimeoutError) as e:
         raise StreamBroken(url, f"{type(e).__name__}: {e}") from e
 
