@@ -103,3 +103,32 @@ async def test_a_request_that_crashes_every_engine_is_quarantined_and_costs_no_b
         await asyncio.sleep(0)  # let node-health bookkeeping tasks run
         assert not fm.nodes.deaths and not fm.excluded_nodes
         assert not fm.events.find(ev("node_excluded"))
+
+
+async def test_probe_failures_during_a_memory_release_call_are_excused_but_a_hang_after_it_is_found(
+        tmp_path, tiny_model):
+    """CI found a healthy engine declared dead: its release held the server past two 0.5 s probes on a loaded
+    machine. Failed probes that overlap a release or resume call say nothing and are discarded; once the
+    call is over, the same silence is a hang again."""
+    async with running_fleet(tmp_path, tiny_model) as fm:
+        await fm.pause(release_memory=True)
+        pid = fm.slots["engine-1"].info.pid
+        t0 = time.time()
+        with fm.monitor.control_call("engine-1"):  # a release call, its server held (here: stopped)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                # The fault's length, not synchronisation: well past the detection bound of
+                # failure_threshold x probe_timeout_s + probe_interval_s = 1.2 s.
+                await asyncio.sleep(3.0)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+        assert fm.monitor.probes_excused >= 2
+        assert not fm.events.find(lambda e: e.kind == "detected" and e.t >= t0)
+        assert fm.slots["engine-1"].info.pid == pid
+        t1 = time.time()
+        os.kill(pid, signal.SIGSTOP)  # no call in flight now
+        try:
+            det = await fm.events.wait_for(ev("detected", "engine-1"), 10, since=t1)
+            assert "/get_model_info" in det.reason
+        finally:
+            os.kill(pid, signal.SIGKILL)

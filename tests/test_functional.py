@@ -19,6 +19,8 @@ FULL_ONLY = {
                                  "re-admission on real SGLang)",
     "engine_server_kill_sglang": "engine_server_kill on CPU engines and tests/test_sglang_fleet.py / "
                                  "test_sglang_sampling.py (SIGKILL mid-generation on real SGLang, golden ids)",
+    "engine_kill_refit": "tests/test_fleet_recovery.py::test_sigkill_mid_refit_restarts_onto_the_new_version (the "
+                         "kill mid-refit, restart onto the new version) and the other engine scenarios of the main job",
     "verl_replica_kill": "the same scenario in tests/test_hooks_verl_replicas.py",
     "nemo_rl_engine_kill": "the mid-rollout handover in tests/test_hooks_nemo_rl.py",
 }

@@ -540,7 +540,8 @@ class FleetManager:
         try:
             if "weights" in s.released:
                 # Weights must be resident to be replaced (SGLang: resume the weights, not yet the KV cache).
-                await s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
+                with self.monitor.control_call(s.slot_id):
+                    await s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
                 s.released.discard("weights")
             # Bounded: a hung engine must not hold the refit (and the whole step) hostage.
             r = await asyncio.wait_for(s.actor.call.remote(
@@ -690,14 +691,16 @@ class FleetManager:
         self.events.emit("fleet", "fleet", "phase", self.phase.value)
 
     async def _release(self, s: Slot, tags: list[str]) -> None:
-        await s.actor.call.remote("POST", "/release_memory_occupation", {"tags": tags})
+        with self.monitor.control_call(s.slot_id):
+            await s.actor.call.remote("POST", "/release_memory_occupation", {"tags": tags})
         s.released.update(tags)
 
     async def _resume_tags(self, s: Slot, tags: list[str]) -> None:
         """Resumes those of `tags` that this engine holds released (never one it does not: see Slot.released)."""
         want = [t for t in tags if t in s.released]
         if want:
-            r = await s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": want})
+            with self.monitor.control_call(s.slot_id):
+                r = await s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": want})
             if r.get("status") != 200:
                 self.events.emit("fleet", s.slot_id, "resume_failed", f"tags {want}: HTTP {r.get('status')}",
                                  level="warning", tags=want)

@@ -25,10 +25,11 @@ refitting, nor before an incarnation has streamed `progress.min_gaps` gaps since
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Iterator, Optional
 
 import httpx
 
@@ -66,6 +67,8 @@ class HealthMonitor:
         self._watches: dict[str, _Watch] = {}
         self._serving = asyncio.Event()
         self._epoch = 0  # bumped by pause(): a probe that started before a pause reports nothing
+        self._calls: dict[str, list[int]] = {}  # control calls per engine (control_call)
+        self.probes_excused = 0  # failed probes discarded because a control call overlapped them
         self._client = httpx.AsyncClient()
         self._stopped = False
         self.progress = ProgressTracker(cfg.progress)
@@ -109,6 +112,29 @@ class HealthMonitor:
         if w is not None:
             for t in w.tasks:
                 t.cancel()
+
+    @contextlib.contextmanager
+    def control_call(self, engine: str) -> Iterator[None]:
+        """Marks a call that may hold the engine's server for a while (a memory release or resume): a failed
+        readiness probe that overlaps it says nothing about the engine and is discarded. Liveness still
+        watches, and the call is bounded by its own timeout. (CI: a CPU engine's release held its event loop
+        past two 0.5 s probes on a loaded machine, and a healthy engine was declared dead.)"""
+        c = self._calls.setdefault(engine, [0, 0])  # [in flight, begun so far]
+        c[0] += 1
+        c[1] += 1
+        try:
+            yield
+        finally:
+            c[0] -= 1
+
+    def _calls_now(self, engine: str) -> tuple[int, int]:
+        c = self._calls.get(engine, (0, 0))
+        return c[0], c[1]
+
+    def _overlapped(self, engine: str, then: tuple[int, int]) -> bool:
+        """Whether a control call ran at any time between `then` (_calls_now) and now."""
+        now = self._calls_now(engine)
+        return then[0] > 0 or now[0] > 0 or now[1] != then[1]
 
     def pause(self) -> None:
         """Stops readiness probes (liveness continues); in-flight probe results are discarded."""
@@ -266,9 +292,14 @@ class HealthMonitor:
                 await self._emit(w, Signal.PROBE_OK, "")
                 await asyncio.sleep(self.cfg.probe_interval_s)  # the probe period, not synchronisation
                 continue
+            calls = self._calls_now(w.engine)
             ok, reason = await self._probe(w.url, path)
             if epoch != self._epoch:
                 continue  # the phase changed mid-probe: the result is about the other kind of probe
+            if not ok and self._overlapped(w.engine, calls):
+                self.probes_excused += 1
+                await asyncio.sleep(self.cfg.probe_interval_s)  # the probe period, not synchronisation
+                continue
             if ok:
                 if path == "/health_generate":
                     w.boot_deadline = 0.0  # it generated: booted, the grace is over
