@@ -146,21 +146,16 @@ async def token_resume(fm: FleetManager, gen: ResumableGenerator, n: int, frac: 
     return t_end - t0, t_end - t_kill, regen
 
 
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """User + system CPU seconds used so far by each named process (its threads included)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for name, pid in pids.items():
-        if pid == os.getpid():
-            t = os.times()
-            out[name] = t.user + t.system
-            continue
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        except (OSError, IndexError, ValueError):
-            out[name] = 0.0
-    return out
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds used so far by a process (its threads included); 0 once it is gone."""
+    if pid == os.getpid():
+        t = os.times()
+        return t.user + t.system
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 async def throughput(url: str, n_req: int, n: int, rounds: int) -> float:
@@ -203,7 +198,7 @@ async def front_overhead(fm: FleetManager, front: GenerationFront, stream: bool,
     cpu = {a: dict.fromkeys(pids, 0.0) for a in via}
 
     def sample() -> dict[str, float]:
-        return {k: sum(cpu_seconds({str(p): p for p in v}).values()) for k, v in pids.items()}
+        return {k: sum(map(cpu_seconds, v)) for k, v in pids.items()}
 
     for i in range(pairs):
         for arm in (("router", "front") if i % 2 == 0 else ("front", "router")):

@@ -540,8 +540,7 @@ class FleetManager:
         try:
             if "weights" in s.released:
                 # Weights must be resident to be replaced (SGLang: resume the weights, not yet the KV cache).
-                with self.monitor.control_call(s.slot_id):
-                    await s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
+                await self._memory_call(s, "/resume_memory_occupation", ["weights"])
                 s.released.discard("weights")
             # Bounded: a hung engine must not hold the refit (and the whole step) hostage.
             r = await asyncio.wait_for(s.actor.call.remote(
@@ -690,17 +689,20 @@ class FleetManager:
                                    if s.actor is not None and s.health.serving), return_exceptions=True)
         self.events.emit("fleet", "fleet", "phase", self.phase.value)
 
-    async def _release(self, s: Slot, tags: list[str]) -> None:
+    async def _memory_call(self, s: Slot, path: str, tags: list[str]) -> dict:
+        """A memory release or resume on the engine; probes it holds up are excused (monitor.control_call)."""
         with self.monitor.control_call(s.slot_id):
-            await s.actor.call.remote("POST", "/release_memory_occupation", {"tags": tags})
+            return await s.actor.call.remote("POST", path, {"tags": tags})
+
+    async def _release(self, s: Slot, tags: list[str]) -> None:
+        await self._memory_call(s, "/release_memory_occupation", tags)
         s.released.update(tags)
 
     async def _resume_tags(self, s: Slot, tags: list[str]) -> None:
         """Resumes those of `tags` that this engine holds released (never one it does not: see Slot.released)."""
         want = [t for t in tags if t in s.released]
         if want:
-            with self.monitor.control_call(s.slot_id):
-                r = await s.actor.call.remote("POST", "/resume_memory_occupation", {"tags": want})
+            r = await self._memory_call(s, "/resume_memory_occupation", want)
             if r.get("status") != 200:
                 self.events.emit("fleet", s.slot_id, "resume_failed", f"tags {want}: HTTP {r.get('status')}",
                                  level="warning", tags=want)

@@ -122,12 +122,11 @@ class GenerationFront:
         def progress(clog: ContextLog, seg: Segment) -> None:
             queue.put_nowait((clog, seg))
 
-        tags: dict[int, bytes] = {}
+        tag = b""  # meta_info.belayer of the forwarded chunks (they come from the request's first segment only)
 
         def chunk(raw: bytes, clog: ContextLog, seg: Segment) -> None:
-            tag = tags.get(id(seg))
-            if tag is None:
-                tag = tags[id(seg)] = orjson.dumps({"engine": seg.engine, "attempt": len(clog.segments)})
+            nonlocal tag
+            tag = tag or orjson.dumps({"engine": seg.engine, "attempt": len(clog.segments)})
             queue.put_nowait((raw, tag))
 
         task = asyncio.create_task(self.gen.generate(rid, ids, sp, rl, on_progress=progress, on_chunk=chunk))
