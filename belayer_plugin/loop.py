@@ -10,11 +10,12 @@ with Belayer's recovery in every phase when `belayer.use_fault_tolerance` is tru
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import MISSING, DictConfig
 
@@ -53,6 +54,19 @@ class LoopConfig:
         return out
 
 
+def host_cpu_s() -> Optional[float]:
+    """Busy CPU seconds of the whole host since boot, all cores (Linux /proc/stat; None elsewhere). A step's
+    difference counts what every process spent on it (engines, router, sandboxes, CRIU, this driver), which
+    wall time on shared cores hides in contention."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def _loop_config(recipe: DictConfig) -> LoopConfig:
     return validate_section(LoopConfig, recipe.get("loop"), "loop")
 
@@ -64,8 +78,11 @@ class RunFailed(RuntimeError):
 class ReferenceLoop:
     """One run of the reference loop; `run()` returns the report dict."""
 
-    def __init__(self, cfg: BelayerConfig, recipe: DictConfig, progress: bool = True):
+    def __init__(self, cfg: BelayerConfig, recipe: DictConfig, progress: bool = True,
+                 on_step: Optional[Callable[["ReferenceLoop", int, str], None]] = None):
+        """`on_step(loop, step, "start" | "end")` is called at each step's edges (a bench's CPU accounting)."""
         self.cfg = cfg
+        self.on_step = on_step
         self.loop = _loop_config(recipe)
         self.run_dir = make_run_dir(cfg)
         self.events = EventLog(self.run_dir / "events.jsonl")
@@ -207,7 +224,9 @@ class ReferenceLoop:
 
         await self._new_learner()
         for step in range(1, lc.num_steps + 1):
-            t_step = time.monotonic()
+            if self.on_step is not None:
+                self.on_step(self, step, "start")
+            t_step, cpu_host, cpu_driver = time.monotonic(), host_cpu_s(), time.process_time()
             if self.chaos:
                 self.chaos.on_phase("serving", step)
             prompts = []
@@ -247,6 +266,7 @@ class ReferenceLoop:
                 mu, sd = statistics.fmean(rs), (statistics.pstdev(rs) or 1.0)
                 for r in group:
                     batch.append({"token_ids": r.token_ids, "gen_mask": r.gen_mask, "advantage": (r.reward - mu) / sd})
+            t_barrier = time.monotonic()
             await self.fleet.pause(release_memory=True)
             if self.chaos:
                 self.chaos.on_phase("paused", step)
@@ -257,11 +277,20 @@ class ReferenceLoop:
                 await self.fleet.recover_dead(lc.step_timeout_s)  # a no-op when nothing died
             served = await self.fleet.refit(out["path"], f"v{step}")
             await self.fleet.resume()
+            t_end, cpu_host_end = time.monotonic(), host_cpu_s()
             rewards = [r.reward for r in done]
             self.steps.append({"step": step, "mean_reward": statistics.fmean(rewards), "loss": out["loss"],
                                "version": f"v{step}", "engines": served, "trajectories": len(done),
-                               "gen_s": round(gen_s, 3), "step_s": round(time.monotonic() - t_step, 3),
+                               "gen_s": round(gen_s, 3), "barrier_s": round(t_end - t_barrier, 3),
+                               "step_s": round(t_end - t_step, 3),
+                               # CPU the step cost: this process (the trainer's driver, Belayer's client
+                               # and monitor) and the whole host (None where /proc/stat is absent)
+                               "cpu_driver_s": round(time.process_time() - cpu_driver, 3),
+                               "cpu_host_s": (round(cpu_host_end - cpu_host, 3)
+                                              if cpu_host is not None and cpu_host_end is not None else None),
                                "belayer": self.step_metrics.take()})
+            if self.on_step is not None:
+                self.on_step(self, step, "end")
             self._say(f"[step {step}/{lc.num_steps}] {'#' * step}{'.' * (lc.num_steps - step)} "
                       f"{len(done)} trajectories, mean reward {statistics.fmean(rewards):+.2f}, loss {out['loss']:+.4f}, "
                       f"weights v{step} on {len(served)} engine(s), {time.monotonic() - t_step:.1f} s")

@@ -6,7 +6,9 @@ sandbox checkpoints overlapped with generation. Off: a plain client (belayer_plu
 non-streaming POST per request through sglang-router, no Belayer code in the request path), no monitor, no
 standby, no checkpoints. Runs are interleaved and their order alternates (off/on, on/off, ...) so drift
 hits both arms alike. Start-up (engines, standby) is excluded: steps only, the first step of each run
-included (what a trainer pays). --quick keeps these definitions with fewer runs and steps.
+included (what a trainer pays). Beside the wall time it prints each phase (generation; pause..resume)
+and the CPU each step cost the whole host and the driver, per arm, to say where a difference comes from.
+--quick keeps these definitions with fewer runs and steps.
 Usage: python bench/overhead.py [--quick] [--runs N] [--steps N] [--on-override KEY=VALUE ...]
 """
 
@@ -22,18 +24,74 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from belayer_plugin.config import load_belayer_config  # noqa: E402
-from belayer_plugin.loop import ReferenceLoop  # noqa: E402
+from belayer_plugin.loop import ReferenceLoop, host_cpu_s  # noqa: E402
+
+_FIELDS = ("step_s", "gen_s", "barrier_s", "cpu_host_s", "cpu_driver_s")
+# Where the host's CPU goes during the steps, by role: the trainer's driver (Belayer's client, monitor and
+# fleet manager run in it), the commands it ran and waited for (podman exec, checkpoint, restore: the
+# sandboxes' CLI work, CRIU included), the serving engines (server and Ray actor), the standbys, sglang-router, and the
+# rest of the host (sandboxes, Podman, CRIU, Ray's own processes, the learner, the kernel).
+_ROLES = ("driver", "commands", "engines", "standby", "router", "rest")
 
 
-def one(ft: bool, steps: int, on_overrides: list[str]) -> float:
+def _tree_cpu(pid: int) -> float:
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def _role_cpu(loop: ReferenceLoop) -> dict[str, float]:
+    """Cumulative CPU seconds of each role now; `host`: busy seconds of every core."""
+    import psutil
+
+    fm = loop.fleet
+    me = psutil.Process().cpu_times()
+    # an engine's Ray actor and its server (a child of the actor) and anything the server started
+    eng = [s.info.actor_pid for s in fm.slots.values() if s.info]
+    sby = [sh.info.actor_pid for sh in (fm.shadows.ready if fm.shadows else [])]
+    return {"driver": me.user + me.system, "commands": me.children_user + me.children_system, "engines": sum(_tree_cpu(p) for p in eng),
+            "standby": sum(_tree_cpu(p) for p in sby),
+            "router": _tree_cpu(fm.router.proc.pid) if fm.router and fm.router.proc else 0.0,
+            "host": host_cpu_s() or 0.0}
+
+
+def one(ft: bool, steps: int, on_overrides: list[str]) -> dict[str, float]:
+    """One run of the main job; per-step means of its figures (seconds; CPU seconds for cpu_*)."""
     d = tempfile.mkdtemp(prefix=f"belayer-bench-overhead-{'on' if ft else 'off'}-")
     cfg, raw = load_belayer_config("demo", [f"belayer.use_fault_tolerance={str(ft).lower()}",
                                             "belayer.chaos.enabled=false", f"belayer.run_dir={d}",
                                             f"loop.num_steps={steps}"] + (on_overrides if ft else []))
-    rep = asyncio.run(ReferenceLoop(cfg, raw, progress=False).run())
+    marks: dict[str, dict[str, float]] = {}
+
+    def on_step(loop: ReferenceLoop, step: int, edge: str) -> None:
+        if (step, edge) in ((1, "start"), (steps, "end")):
+            marks[edge] = _role_cpu(loop)
+
+    rep = asyncio.run(ReferenceLoop(cfg, raw, progress=False, on_step=on_step).run())
     if rep["status"] != "ok":
         raise RuntimeError(f"run failed: {rep['error']}")
-    return sum(s["step_s"] for s in rep["steps"]) / len(rep["steps"])
+    out = {k: statistics.fmean(float(s[k] or 0.0) for s in rep["steps"]) for k in _FIELDS}
+    d = {k: (marks["end"][k] - marks["start"][k]) / steps for k in marks["end"]}
+    for k in _ROLES[:-1]:
+        out[f"role_{k}"] = d[k]
+    out["role_rest"] = d["host"] - sum(d[k] for k in _ROLES[:-1])
+    return out
+
+
+def _pct(a: float, b: float) -> float:
+    return (a - b) / b * 100 if b else 0.0
 
 
 def main() -> None:
@@ -47,24 +105,59 @@ def main() -> None:
     args = ap.parse_args()
     runs = args.runs or (2 if args.quick else 3)
     steps = args.steps or (2 if args.quick else 4)
-    on: list[float] = []
-    off: list[float] = []
+    on: list[dict[str, float]] = []
+    off: list[dict[str, float]] = []
     for i in range(runs):
         for ft in ((False, True) if i % 2 == 0 else (True, False)):
-            s = one(ft, steps, args.on_override)
-            (on if ft else off).append(s)
-            print(f"run {i + 1}/{runs} fault tolerance {'on ' if ft else 'off'}: {s:.3f} s/step", flush=True)
-    s_on, s_off = statistics.median(on), statistics.median(off)
-    pct = (s_on - s_off) / s_off * 100
+            r = one(ft, steps, args.on_override)
+            (on if ft else off).append(r)
+            print(f"run {i + 1}/{runs} fault tolerance {'on ' if ft else 'off'}: {r['step_s']:.3f} s/step "
+                  f"(generation {r['gen_s']:.3f} s, pause..resume {r['barrier_s']:.3f} s; CPU per step: host "
+                  f"{r['cpu_host_s']:.2f} s, driver {r['cpu_driver_s']:.2f} s)", flush=True)
+
+    def med(arm: list[dict[str, float]], k: str) -> float:
+        return statistics.median(r[k] for r in arm)
+
+    s_on, s_off = med(on, "step_s"), med(off, "step_s")
+    pct = _pct(s_on, s_off)
     # spread: the per-run overheads of the paired runs, so one slow run of one arm shows up as spread
-    pairs = [(a - b) / b * 100 for a, b in zip(on, off)]
+    pairs = [_pct(a["step_s"], b["step_s"]) for a, b in zip(on, off)]
     print(f"seconds per step (median of {runs} runs x {steps} steps): off (plain client through sglang-router) "
-          f"{s_off:.3f} s [{min(off):.3f}-{max(off):.3f}] | on {s_on:.3f} s [{min(on):.3f}-{max(on):.3f}] | "
-          f"overhead {pct:+.2f}% (paired runs {min(pairs):+.1f}% .. {max(pairs):+.1f}%; goal <= 0.5%)")
+          f"{s_off:.3f} s [{min(r['step_s'] for r in off):.3f}-{max(r['step_s'] for r in off):.3f}] | on {s_on:.3f} s "
+          f"[{min(r['step_s'] for r in on):.3f}-{max(r['step_s'] for r in on):.3f}] | overhead {pct:+.2f}% "
+          f"(paired runs {min(pairs):+.1f}% .. {max(pairs):+.1f}%; goal <= 0.5%)")
+    # Where the time and the CPU go: wall time per phase, and CPU per step of the whole host (every process:
+    # engines, router, sandboxes, standby, this driver) and of the driver alone (the trainer's process, where
+    # Belayer's client and monitor run). CPU is what an arm adds to 2 shared cores whatever their contention.
+    rows = []
+    for k, name in (("gen_s", "generation (s)"), ("barrier_s", "pause..resume (s)"),
+                    ("cpu_host_s", "host CPU (s)"), ("cpu_driver_s", "driver CPU (s)")):
+        p = [_pct(a[k], b[k]) for a, b in zip(on, off)]
+        rows.append((k, med(off, k), med(on, k), _pct(med(on, k), med(off, k)), min(p), max(p)))
+        print(f"  {name:<18} off {rows[-1][1]:7.3f}  on {rows[-1][2]:7.3f}  {rows[-1][3]:+6.2f}% "
+              f"(paired {min(p):+.1f}% .. {max(p):+.1f}%)")
+    # CPU by role (seconds per step, medians): what fault tolerance adds is the sum of the roles' differences
+    # but the rest (Podman's and Ray's daemons, the kernel), whose run-to-run noise is that of the whole host.
+    added = 0.0
+    print("  CPU per step by role (s): off / on / on - off (paired)")
+    for k in _ROLES:
+        a_, b_ = med(off, f"role_{k}"), med(on, f"role_{k}")
+        p = [x[f"role_{k}"] - y[f"role_{k}"] for x, y in zip(on, off)]
+        if k != "rest":
+            added += statistics.median(p)
+        print(f"    {k:<9} {a_:7.3f} / {b_:7.3f} / {statistics.median(p):+7.3f} ({min(p):+.3f} .. {max(p):+.3f})")
+    cpu_pct = added / med(off, "cpu_host_s") * 100
+    print(f"  CPU fault tolerance adds: {added:+.3f} s per step = {cpu_pct:+.2f}% of the host's CPU per step "
+          f"(driver, commands, engines, standby and router; median paired differences)")
     if args.on_override:
         print(f"'on' arm with: {' '.join(args.on_override)}")
+    fig = {k: v for k, _, _, v, _, _ in rows}
     print(f"RESULT step_s_off={s_off:.3f} step_s_on={s_on:.3f} overhead_pct={pct:.2f} "
-          f"overhead_min_pct={min(pairs):.2f} overhead_max_pct={max(pairs):.2f} runs={runs} steps={steps}")
+          f"overhead_min_pct={min(pairs):.2f} overhead_max_pct={max(pairs):.2f} "
+          f"gen_overhead_pct={fig['gen_s']:.2f} barrier_overhead_pct={fig['barrier_s']:.2f} "
+          f"host_cpu_overhead_pct={fig['cpu_host_s']:.2f} driver_cpu_overhead_pct={fig['cpu_driver_s']:.2f} "
+          f"added_cpu_s={added:.3f} added_cpu_pct={cpu_pct:.2f} "
+          f"runs={runs} steps={steps}")
 
 
 if __name__ == "__main__":

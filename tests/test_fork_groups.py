@@ -42,3 +42,8 @@ def test_forked_group_equals_replayed_group(tmp_path):
     # the step's recovery metrics (what a trainer's logger gets): the fork's prefix checkpoint was counted
     m = forked["steps"][0]["belayer"]
     assert m["belayer/checkpoints"] + m["belayer/checkpoints_unchanged"] >= 1 and m["belayer/chaos_faults"] == 0
+    # the step's phases and the CPU it cost (bench/overhead.py reads these)
+    s = forked["steps"][0]
+    assert 0 < s["gen_s"] < s["step_s"] and 0 < s["barrier_s"] < s["step_s"]
+    assert s["gen_s"] + s["barrier_s"] <= s["step_s"] + 0.01
+    assert s["cpu_driver_s"] > 0 and s["cpu_host_s"] >= s["cpu_driver_s"] - 0.05

@@ -28,3 +28,39 @@ def test_counts_recovery_events_per_step_and_resets():
     assert got["belayer/checkpoints_unchanged"] == 1  # a policy's "skipped: sandbox died" is not one
     assert got["belayer/env_restores"] == 1 and got["belayer/env_rollback_actions"] == 2
     assert set(m.take().values()) == {0.0}  # the next step starts from zero
+
+
+def test_host_cpu_counts_cpu_burnt_by_another_process():
+    import resource
+    import subprocess
+    import sys
+
+    from belayer_plugin.loop import host_cpu_s
+
+    child0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    a = host_cpu_s()
+    assert a is not None  # Linux: /proc/stat
+    # a child burns ~0.6 s of CPU: the host figure sees it, though this process's own CPU does not
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass"],
+                   check=True, timeout=60)
+    b = host_cpu_s()
+    child1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    burnt = (child1.ru_utime + child1.ru_stime) - (child0.ru_utime + child0.ru_stime)
+    assert burnt >= 0.55
+    assert b - a >= burnt - 0.05  # jiffies: 10 ms granularity
+
+
+def test_an_event_record_has_every_field_and_a_copy_of_its_figures(tmp_path):
+    import json
+    from dataclasses import asdict, fields
+
+    from belayer_plugin.events import Event
+
+    log = EventLog(tmp_path / "events.jsonl")
+    ev = log.emit("fleet", "engine-0", "transition", "probe failed", "HEALTHY", "SUSPECT", level="warning",
+                  latency_s=0.5, engines=["a", "b"])
+    d = ev.to_dict()
+    assert set(d) == {f.name for f in fields(Event)} and d == asdict(ev)
+    d["figures"]["latency_s"] = 9  # a reader's change does not reach the event
+    assert ev.figures["latency_s"] == 0.5
+    assert json.loads((tmp_path / "events.jsonl").read_text()) == asdict(ev)

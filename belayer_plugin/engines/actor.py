@@ -107,6 +107,15 @@ class EngineActor:
         self._exited = asyncio.Event()
         self._nice = 0  # set_background's offset in effect
         self._base_nice: Optional[int] = None  # the server's own priority when first moved
+        self._http: Optional[httpx.AsyncClient] = None
+
+    def _client(self) -> httpx.AsyncClient:
+        # One client for the actor's life: a new httpx client builds an SSL context (~40 ms of CPU), which a
+        # client per admin call paid several times a step on every engine. No keep-alive: a pooled
+        # connection the server closed while idle would fail the next call (refit, memory) for nothing.
+        if self._http is None:
+            self._http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), trust_env=False)
+        return self._http
 
     async def start(self) -> EngineInfo:
         """Starts the server and returns once it answers /health; raises EngineStartError otherwise."""
@@ -124,26 +133,26 @@ class EngineActor:
         self.url = f"http://{host}:{port}"
         asyncio.get_running_loop().create_task(self._reap())
         deadline = t0 + self.cfg.startup_timeout_s
-        async with httpx.AsyncClient() as client:
-            while True:
-                if self._exited.is_set():
-                    raise EngineStartError(f"{self.engine_id}: server exited with {self.exit_code} during start-up; "
-                                           f"log tail:\n{_tail(log_path)}")
-                try:
-                    r = await client.get(f"{self.url}/health", timeout=5.0)
-                    if r.status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    await self.kill()
-                    raise EngineStartError(f"{self.engine_id}: not healthy after {self.cfg.startup_timeout_s} s; "
-                                           f"log tail:\n{_tail(log_path)}")
-                # A server coming up has no event to await from outside; wait on its exit or 100 ms.
-                try:
-                    await asyncio.wait_for(self._exited.wait(), 0.1)
-                except asyncio.TimeoutError:
-                    pass
+        client = self._client()
+        while True:
+            if self._exited.is_set():
+                raise EngineStartError(f"{self.engine_id}: server exited with {self.exit_code} during start-up; "
+                                       f"log tail:\n{_tail(log_path)}")
+            try:
+                r = await client.get(f"{self.url}/health", timeout=5.0)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                await self.kill()
+                raise EngineStartError(f"{self.engine_id}: not healthy after {self.cfg.startup_timeout_s} s; "
+                                       f"log tail:\n{_tail(log_path)}")
+            # A server coming up has no event to await from outside; wait on its exit or 100 ms.
+            try:
+                await asyncio.wait_for(self._exited.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
         self.started_s = time.monotonic() - t0
         return await self.info()
 
@@ -176,20 +185,18 @@ class EngineActor:
 
     async def weight_version(self) -> str:
         """The version the server reports (SGLang 0.5.23 puts it in /get_model_info)."""
-        async with httpx.AsyncClient() as client:
-            r = await client.get(f"{self.url}/get_model_info", timeout=self.cfg.shutdown_timeout_s)
-            r.raise_for_status()
-            return str(r.json().get("weight_version", "default"))
+        r = await self._client().get(f"{self.url}/get_model_info", timeout=self.cfg.shutdown_timeout_s)
+        r.raise_for_status()
+        return str(r.json().get("weight_version", "default"))
 
     async def call(self, method: str, path: str, body: Optional[dict] = None, timeout: float = 60.0) -> Any:
         """Forwards one HTTP call to the server (admin routes: refit, pause, memory)."""
-        async with httpx.AsyncClient() as client:
-            r = await client.request(method, f"{self.url}{path}", json=body, timeout=timeout)
-            try:
-                data = r.json()
-            except ValueError:
-                data = r.text
-            return {"status": r.status_code, "body": data}
+        r = await self._client().request(method, f"{self.url}{path}", json=body, timeout=timeout)
+        try:
+            data = r.json()
+        except ValueError:
+            data = r.text
+        return {"status": r.status_code, "body": data}
 
     async def set_background(self, nice: int) -> int:
         """Runs the server `nice` steps below its start-up CPU priority (0: back to it); returns the offset now
@@ -227,6 +234,9 @@ class EngineActor:
         except asyncio.TimeoutError:
             await self.kill(signal.SIGKILL)
             await asyncio.wait_for(self._exited.wait(), self.cfg.shutdown_timeout_s)
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
         return self.exit_code
 
 

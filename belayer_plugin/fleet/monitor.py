@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterator, Optional
 
-import httpx
+import aiohttp
 
 from belayer_plugin.config import MonitorConfig
 from belayer_plugin.fleet.health import Signal
@@ -69,7 +69,10 @@ class HealthMonitor:
         self._epoch = 0  # bumped by pause(): a probe that started before a pause reports nothing
         self._calls: dict[str, list[int]] = {}  # control calls per engine (control_call)
         self.probes_excused = 0  # failed probes discarded because a control call overlapped them
-        self._client = httpx.AsyncClient()
+        # aiohttp, made at the first probe (it belongs to a running loop): a probe through httpx cost several
+        # times its CPU, paid every probe interval on every engine. No keep-alive: a pooled connection the
+        # server closed while idle (uvicorn's 5 s) would fail the next probe and make a healthy engine SUSPECT.
+        self._session: Optional[aiohttp.ClientSession] = None
         self._stopped = False
         self.progress = ProgressTracker(cfg.progress)
         self._progress_task: Optional[asyncio.Task] = None
@@ -322,12 +325,18 @@ class HealthMonitor:
             self.probes_sent += 1
         else:
             self.light_probes_sent += 1
+        if self._stopped:
+            return False, "monitor stopped"
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0),
+                                                  trust_env=False)
         try:
-            r = await self._client.get(f"{url}{path}", timeout=timeout)
-            return (True, "") if r.status_code == 200 else (False, f"{path} HTTP {r.status_code}")
-        except httpx.TimeoutException:
+            async with self._session.get(f"{url}{path}", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                await r.read()
+                return (True, "") if r.status == 200 else (False, f"{path} HTTP {r.status}")
+        except asyncio.TimeoutError:
             return False, f"{path} timed out after {timeout:g} s"
-        except httpx.HTTPError as e:
+        except aiohttp.ClientError as e:
             return False, f"{path} {type(e).__name__}"
 
     async def stop(self) -> None:
@@ -341,4 +350,6 @@ class HealthMonitor:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5)
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
