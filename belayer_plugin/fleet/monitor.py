@@ -321,12 +321,12 @@ class HealthMonitor:
 
     async def _probe(self, url: str, path: str, timeout: Optional[float] = None) -> tuple[bool, str]:
         timeout = self.cfg.probe_timeout_s if timeout is None else timeout
+        if self._stopped:
+            return False, "monitor stopped"
         if path == "/health_generate":
             self.probes_sent += 1
         else:
             self.light_probes_sent += 1
-        if self._stopped:
-            return False, "monitor stopped"
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0),
                                                   trust_env=False)
