@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import sys
 import tempfile
@@ -63,7 +64,10 @@ def _role_cpu(loop: ReferenceLoop) -> dict[str, float]:
     sby = [sh.info.actor_pid for sh in (fm.shadows.ready if fm.shadows else [])]
     return {"driver": me.user + me.system, "commands": me.children_user + me.children_system,
             "engines": sum(_tree_cpu(p) for p in eng), "standby": sum(_tree_cpu(p) for p in sby),
-            "router": _tree_cpu(fm.router.proc.pid) if fm.router and fm.router.proc else 0.0}
+            "router": _tree_cpu(fm.router.proc.pid) if fm.router and fm.router.proc else 0.0,
+            # /health_generate probes: each makes an engine generate a token (engines' CPU, not the driver's)
+            "probes": float(getattr(fm.monitor, "probes_sent", 0)),
+            "probes_skipped": float(getattr(fm.monitor, "probes_skipped", 0))}
 
 
 def one(ft: bool, steps: int, on_overrides: list[str]) -> dict[str, float]:
@@ -84,6 +88,8 @@ def one(ft: bool, steps: int, on_overrides: list[str]) -> dict[str, float]:
     out = {k: statistics.fmean(float(s[k] or 0.0) for s in rep["steps"]) for k in _FIELDS}
     for k in _ROLES[:-1]:
         out[f"role_{k}"] = (marks["end"][k] - marks["start"][k]) / steps
+    for k in ("probes", "probes_skipped"):
+        out[k] = (marks["end"][k] - marks["start"][k]) / steps
     # the rest: what the host's busy CPU (each step's cpu_host_s) holds beyond the named roles
     out["role_rest"] = out["cpu_host_s"] - sum(out[f"role_{k}"] for k in _ROLES[:-1])
     return out
@@ -91,6 +97,22 @@ def one(ft: bool, steps: int, on_overrides: list[str]) -> dict[str, float]:
 
 def _pct(a: float, b: float) -> float:
     return (a - b) / b * 100 if b else 0.0
+
+
+def bootstrap_interval(on: list[float], off: list[float], level: float = 0.95, resamples: int = 4000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the overhead (median on vs median off, %), resampling whole pairs of
+    runs (a pair shares the machine's state of its hour, so pairs, not runs, are the independent units)."""
+    rng = random.Random(seed)
+    n = len(on)
+    stats = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        stats.append(_pct(statistics.median(on[i] for i in idx), statistics.median(off[i] for i in idx)))
+    stats.sort()
+    lo = stats[int((1 - level) / 2 * (resamples - 1))]
+    hi = stats[int((1 + level) / 2 * (resamples - 1))]
+    return lo, hi
 
 
 def main() -> None:
@@ -121,10 +143,12 @@ def main() -> None:
     pct = _pct(s_on, s_off)
     # spread: the per-run overheads of the paired runs, so one slow run of one arm shows up as spread
     pairs = [_pct(a["step_s"], b["step_s"]) for a, b in zip(on, off)]
+    ci = bootstrap_interval([r["step_s"] for r in on], [r["step_s"] for r in off])
     print(f"seconds per step (median of {runs} runs x {steps} steps): off (plain client through sglang-router) "
           f"{s_off:.3f} s [{min(r['step_s'] for r in off):.3f}-{max(r['step_s'] for r in off):.3f}] | on {s_on:.3f} s "
           f"[{min(r['step_s'] for r in on):.3f}-{max(r['step_s'] for r in on):.3f}] | overhead {pct:+.2f}% "
-          f"(paired runs {min(pairs):+.1f}% .. {max(pairs):+.1f}%; goal <= 0.5%)")
+          f"(paired runs {min(pairs):+.1f}% .. {max(pairs):+.1f}%; 95% bootstrap interval {ci[0]:+.2f}% .. {ci[1]:+.2f}%; "
+          f"goal <= 0.5%)")
     # Where the time and the CPU go: wall time per phase, and CPU per step of the whole host (every process:
     # engines, router, sandboxes, standby, this driver) and of the driver alone (the trainer's process, where
     # Belayer's client and monitor run). CPU is what an arm adds to 2 shared cores whatever their contention.
@@ -149,19 +173,25 @@ def main() -> None:
     steady = sum(statistics.median(diffs[k]) for k in ("driver", "standby", "router"))
     shared = sum(statistics.median(diffs[k]) for k in ("engines", "commands"))
     spread = (sum(min(diffs[k]) for k in ("engines", "commands")), sum(max(diffs[k]) for k in ("engines", "commands")))
+    # one slow run of either arm decides min and max; the sign count says whether the rest agree
+    pair_shared = [diffs["engines"][i] + diffs["commands"][i] for i in range(runs)]
+    above = sum(d > 0 for d in pair_shared)
     steady_pct, shared_pct = steady / host_off * 100, shared / host_off * 100
     print(f"  CPU fault tolerance adds per step: driver + standby + router {steady:+.3f} s = {steady_pct:+.2f}% of the "
           f"host's CPU per step; engines + commands {shared:+.3f} s = {shared_pct:+.2f}% "
-          f"(paired {spread[0]:+.3f} .. {spread[1]:+.3f} s: "
-          f"{'spans zero, within their run-to-run noise' if spread[0] <= 0 <= spread[1] else 'every pair of one sign'})")
+          f"(paired {spread[0]:+.3f} .. {spread[1]:+.3f} s; {above} of {runs} pairs above zero)")
+    print(f"  readiness probes (/health_generate) per step, on arm: {med(on, 'probes'):.1f} sent, "
+          f"{med(on, 'probes_skipped'):.1f} skipped (the engine streamed tokens within the probe interval)")
     if args.on_override:
         print(f"'on' arm with: {' '.join(args.on_override)}")
     fig = {k: v for k, _, _, v, _, _ in rows}
     print(f"RESULT step_s_off={s_off:.3f} step_s_on={s_on:.3f} overhead_pct={pct:.2f} "
           f"overhead_min_pct={min(pairs):.2f} overhead_max_pct={max(pairs):.2f} "
+          f"overhead_ci95_lo_pct={ci[0]:.2f} overhead_ci95_hi_pct={ci[1]:.2f} "
           f"gen_overhead_pct={fig['gen_s']:.2f} barrier_overhead_pct={fig['barrier_s']:.2f} "
           f"host_cpu_overhead_pct={fig['cpu_host_s']:.2f} driver_cpu_overhead_pct={fig['cpu_driver_s']:.2f} "
-          f"steady_cpu_pct={steady_pct:.2f} shared_cpu_pct={shared_pct:.2f} "
+          f"steady_cpu_pct={steady_pct:.2f} shared_cpu_pct={shared_pct:.2f} shared_pairs_above_zero={above} "
+          f"probes_per_step={med(on, 'probes'):.1f} "
           f"runs={runs} steps={steps}")
 
 

@@ -49,13 +49,14 @@ async def fleet(ray_cluster, tmp_path_factory, tiny_model):
     cfg = belayer_cfg(*CFG)
     events = EventLog(run_dir / "events.jsonl")
     fm = FleetManager(cfg, run_dir, events, model_path=tiny_model)
+    gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, events)
     try:
         await fm.start()
-        gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, events)
         control = await fm.serve_control()
         golden = await _run_all(gen, "g")  # the no-drain greedy run
         yield SimpleNamespace(fm=fm, gen=gen, control=control, golden=golden, model=tiny_model)
     finally:
+        await gen.aclose()  # its stream session: unclosed, aiohttp warns when it is collected
         await fm.shutdown()
 
 

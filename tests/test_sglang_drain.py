@@ -39,11 +39,13 @@ async def sg(ray_cluster, tmp_path_factory, tiny_model):
     run_dir = tmp_path_factory.mktemp("sglang-drain")
     cfg = belayer_cfg(*SGLANG, "belayer.engines.drain_timeout_s=60", "belayer.engines.startup_timeout_s=300")
     fm = FleetManager(cfg, run_dir, EventLog(run_dir / "events.jsonl"), model_path=tiny_model)
+    gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, fm.events)
     try:
         await fm.start()
         await fm.wait_all_healthy(300)  # a start that timed out under load is retried by recovery
-        yield fm, ResumableGenerator(FleetSelector(fm), cfg.recovery, fm.events)
+        yield fm, gen
     finally:
+        await gen.aclose()  # its stream session: unclosed, aiohttp warns when it is collected
         await fm.shutdown()
 
 

@@ -126,9 +126,9 @@ async def sg(ray_cluster, tmp_path_factory, tiny_model):
     incarnations: list[psutil.Process] = []  # every process of every engine incarnation the module saw
     events.subscribe(lambda e: e.kind == "transition" and e.to_state == "STALE"
                      and incarnations.extend(_engine_processes(fm.slots[e.subject].info.pid)))
+    gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, events)
     try:
         await fm.start()
-        gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, events)
         front = GenerationFront(gen, tiny_model, info_url=lambda: fm.pick_engine().info.url)
         await front.start()
         yield SimpleNamespace(fm=fm, gen=gen, front=front, events=events, v1=v1, model=tiny_model,
@@ -136,6 +136,7 @@ async def sg(ray_cluster, tmp_path_factory, tiny_model):
     finally:
         if front is not None:
             await front.stop()
+        await gen.aclose()  # its stream session: unclosed, aiohttp warns when it is collected
         await fm.shutdown()
     left = await _until_gone(incarnations, 20)
     assert not left, f"SGLang processes outlived the fleet: {left}"

@@ -54,6 +54,7 @@ async def fleet_and_front(tmp_path, tiny_model, *overrides):
         yield fm, gen, front
     finally:
         await front.stop()
+        await gen.aclose()  # its stream session: unclosed, aiohttp warns when it is collected
         await fm.shutdown()
 
 

@@ -174,9 +174,12 @@ class FleetManager:
         import ray
 
         self._closing = True
-        if self.control is not None:
-            await self.control.stop()
-        await self.monitor.stop()
+        try:
+            if self.control is not None:
+                await self.control.stop()
+        finally:
+            # A control server that fails to stop must not leave the monitor probing (and its session open).
+            await self.monitor.stop()
         for t in [*self._node_checks.values(), *self._bg]:
             t.cancel()
         if self.shadows is not None:
