@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import bootstrap  # noqa: E402  (bench/, the script's own directory)
 from belayer_plugin.config import load_belayer_config  # noqa: E402
 from belayer_plugin.loop import ReferenceLoop  # noqa: E402
 
@@ -99,20 +99,10 @@ def _pct(a: float, b: float) -> float:
     return (a - b) / b * 100 if b else 0.0
 
 
-def bootstrap_interval(on: list[float], off: list[float], level: float = 0.95, resamples: int = 4000,
-                       seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the overhead (median on vs median off, %), resampling whole pairs of
-    runs (a pair shares the machine's state of its hour, so pairs, not runs, are the independent units)."""
-    rng = random.Random(seed)
-    n = len(on)
-    stats = []
-    for _ in range(resamples):
-        idx = [rng.randrange(n) for _ in range(n)]
-        stats.append(_pct(statistics.median(on[i] for i in idx), statistics.median(off[i] for i in idx)))
-    stats.sort()
-    lo = stats[int((1 - level) / 2 * (resamples - 1))]
-    hi = stats[int((1 + level) / 2 * (resamples - 1))]
-    return lo, hi
+def bootstrap_interval(on: list[float], off: list[float], level: float = 0.95) -> tuple[float, float]:
+    """Bootstrap interval of the overhead (median on vs median off, %), resampling whole pairs of runs."""
+    return bootstrap.interval(len(on), lambda idx: _pct(statistics.median(on[i] for i in idx),
+                                                        statistics.median(off[i] for i in idx)), level)
 
 
 def main() -> None:

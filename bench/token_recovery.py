@@ -38,6 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import bootstrap  # noqa: E402  (bench/, the script's own directory)
 from belayer_plugin.config import load_belayer_config  # noqa: E402
 from belayer_plugin.events import EventLog  # noqa: E402
 from belayer_plugin.fleet.launch import resolve_model_path  # noqa: E402
@@ -189,7 +190,7 @@ async def stream_throughput(url: str, n_req: int, n: int, stream_interval: int) 
 
 
 async def front_overhead(fm: FleetManager, front: GenerationFront, stream: bool, n_req: int, n: int, pairs: int,
-                         stream_interval: int) -> tuple[float, float, float, list[float], dict]:
+                         stream_interval: int) -> tuple[float, float, float, list[float], dict, tuple[float, float]]:
     """Throughput straight to the router vs through the front, in interleaved pairs of rounds (the order
     alternates, so drift hits both alike); CPU seconds per component over each path's rounds."""
     via = {"router": [], "front": []}
@@ -212,7 +213,9 @@ async def front_overhead(fm: FleetManager, front: GenerationFront, stream: bool,
     toks = pairs * n_req * n
     us = {a: {k: v / toks * 1e6 for k, v in d.items()} for a, d in cpu.items()}
     paired = sorted((a - b) / a * 100 for a, b in zip(via["router"], via["front"]))
-    return (statistics.median(via["router"]), statistics.median(via["front"]), statistics.median(paired), paired, us)
+    ci = bootstrap.interval(len(paired), lambda idx: statistics.median(paired[i] for i in idx))
+    return (statistics.median(via["router"]), statistics.median(via["front"]), statistics.median(paired), paired, us,
+            ci)
 
 
 async def main_async(args) -> None:
@@ -265,17 +268,19 @@ async def main_async(args) -> None:
         n_req, tp_tokens = (16, 128) if args.quick else (16, 256)
         pairs = 6 if args.quick else 12
         for stream in (True, False):
-            r, f, overhead, paired, us = await front_overhead(fm, front, stream, n_req, tp_tokens, pairs,
+            r, f, overhead, paired, us, ci = await front_overhead(fm, front, stream, n_req, tp_tokens, pairs,
                                                               args.stream_interval)
             kind = "streaming" if stream else "non-streaming"
             print(f"  CPU per generated token (us), router path | front path: " + "; ".join(
                 f"{k} {us['router'][k]:.0f} | {us['front'][k]:.0f}" for k in us["router"]))
             print(f"failure-free throughput, {n_req} concurrent {kind} clients x {tp_tokens} tokens, {pairs} "
                   f"interleaved pairs of rounds: router {r:.0f} tok/s | front {f:.0f} tok/s | overhead "
-                  f"{overhead:.2f}% (median of pairs; pairs {paired[0]:.1f}..{paired[-1]:.1f}%)"
+                  f"{overhead:.2f}% (median of pairs; pairs {paired[0]:.1f}..{paired[-1]:.1f}%; 95% bootstrap interval "
+                  f"{ci[0]:.2f}..{ci[1]:.2f}%)"
                   + (" (goal <= 2%)" if stream else ""))
             sfx = "" if stream else "_nonstream"
             figures.append(f"router_tok_s{sfx}={r:.0f} front_tok_s{sfx}={f:.0f} front_overhead{sfx}_pct={overhead:.2f} "
+                           f"front_overhead{sfx}_ci95_lo_pct={ci[0]:.2f} front_overhead{sfx}_ci95_hi_pct={ci[1]:.2f} "
                            + " ".join(f"cpu_us_per_tok{sfx}_{k.replace('+', '_')}_{a}={us[a][k]:.0f}"
                                       for k in us["router"] for a in ("router", "front")))
         figures.append(f"front_pairs={pairs} stream_interval={args.stream_interval} fault_free_s={t_ff:.2f} "
