@@ -54,7 +54,7 @@ def _tree_cpu(pid: int) -> float:
 
 
 def _role_cpu(loop: ReferenceLoop) -> dict[str, float]:
-    """Cumulative CPU seconds of each role but the rest, now."""
+    """Cumulative CPU seconds of each role but the rest, and the monitor's probe counters, now."""
     import psutil
 
     fm = loop.fleet
@@ -66,8 +66,7 @@ def _role_cpu(loop: ReferenceLoop) -> dict[str, float]:
             "engines": sum(_tree_cpu(p) for p in eng), "standby": sum(_tree_cpu(p) for p in sby),
             "router": _tree_cpu(fm.router.proc.pid) if fm.router and fm.router.proc else 0.0,
             # /health_generate probes: each makes an engine generate a token (engines' CPU, not the driver's)
-            "probes": float(getattr(fm.monitor, "probes_sent", 0)),
-            "probes_skipped": float(getattr(fm.monitor, "probes_skipped", 0))}
+            "probes": float(fm.monitor.probes_sent), "probes_skipped": float(fm.monitor.probes_skipped)}
 
 
 def one(ft: bool, steps: int, on_overrides: list[str]) -> dict[str, float]:
@@ -164,8 +163,7 @@ def main() -> None:
     shared = sum(statistics.median(diffs[k]) for k in ("engines", "commands"))
     spread = (sum(min(diffs[k]) for k in ("engines", "commands")), sum(max(diffs[k]) for k in ("engines", "commands")))
     # one slow run of either arm decides min and max; the sign count says whether the rest agree
-    pair_shared = [diffs["engines"][i] + diffs["commands"][i] for i in range(runs)]
-    above = sum(d > 0 for d in pair_shared)
+    above = sum(e + c > 0 for e, c in zip(diffs["engines"], diffs["commands"]))
     steady_pct, shared_pct = steady / host_off * 100, shared / host_off * 100
     print(f"  CPU fault tolerance adds per step: driver + standby + router {steady:+.3f} s = {steady_pct:+.2f}% of the "
           f"host's CPU per step; engines + commands {shared:+.3f} s = {shared_pct:+.2f}% "
