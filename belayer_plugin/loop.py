@@ -189,19 +189,15 @@ class ReferenceLoop:
         backend = self._backend()
         # The tokenizer (transformers and torch imports), the learner (torch in its worker) and the sandbox
         # image need only the model's path: they get ready while the engines start, not after (~7 s saved).
-        tok_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, self.fleet.model_path))
-        learner_task = asyncio.create_task(self._new_learner())
+        starts = [asyncio.ensure_future(c) for c in (
+            asyncio.to_thread(ensure_image, backend, cfg.sandbox.env, cfg.sandbox.env_cache_dir or None),
+            self.fleet.start(), asyncio.to_thread(_load_tokenizer, self.fleet.model_path), self._new_learner())]
         try:
-            image, _ = await asyncio.gather(
-                asyncio.to_thread(ensure_image, backend, cfg.sandbox.env, cfg.sandbox.env_cache_dir or None),
-                self.fleet.start())
-            tok = await tok_task
-            await learner_task
-        finally:
-            for t in (tok_task, learner_task):  # a failed start: nothing left running or unretrieved
-                if not t.done():
-                    t.cancel()
-            await asyncio.gather(tok_task, learner_task, return_exceptions=True)
+            image, _, tok, _ = await asyncio.gather(*starts)
+        finally:  # a failed start: the others are cancelled and awaited, nothing left unretrieved
+            for t in starts:
+                t.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
         self._say(f"[belayer] {cfg.engines.num_engines} {cfg.engines.kind} engines"
                   f"{f' + {cfg.shadow.num_standby} standby' if self.fleet.shadows else ''} up in "
                   f"{time.monotonic() - t0:.1f} s; sandbox image {image}")
