@@ -98,6 +98,9 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `belayer` console command."""
+    from belayer_plugin.lean_imports import skip_unused_imports
+
+    skip_unused_imports()  # the console command is Belayer's own process, never a trainer's
     p = argparse.ArgumentParser(prog="belayer", description="Fault tolerance for agentic LLM RL training.")
     sub = p.add_subparsers(dest="cmd", required=True)
 

@@ -20,6 +20,9 @@ class Learner:
     """Holds the policy and its optimizer; `train_step` returns the directory of the new weights."""
 
     def __init__(self, model_path: str, run_dir: str, lr: float, seed: int, torch_threads: int = 1):
+        from belayer_plugin.lean_imports import skip_unused_imports
+
+        skip_unused_imports()  # this actor's own worker process
         import torch
         from transformers import AutoModelForCausalLM
 

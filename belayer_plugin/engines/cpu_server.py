@@ -26,6 +26,7 @@ import orjson
 from aiohttp import web
 
 from belayer_plugin.generation.detok import IncrementalText
+from belayer_plugin.lean_imports import skip_unused_imports
 
 log = logging.getLogger("belayer.cpu_engine")
 
@@ -723,6 +724,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                    default=float(os.environ.get("BELAYER_CHAOS_PREFILL_MS_PER_1K", "0")),
                    help="test only: every prefill sleeps this long per 1000 prompt tokens (0: off)")
     args = p.parse_args(argv)
+    skip_unused_imports()
     global _POISON_TOKEN_ID, _PREFILL_MS_PER_1K
     _POISON_TOKEN_ID = args.chaos_poison_token_id
     _PREFILL_MS_PER_1K = args.chaos_prefill_ms_per_1k_tokens
