@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
-from typing import Optional
+from typing import NoReturn, Optional
 
 from belayer_plugin.config import ConfigError, load_belayer_config
 
@@ -157,10 +158,30 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _cmd_soak(argparse.Namespace(rest=rest[1:]))
     args = p.parse_args(argv)
     try:
-        return args.fn(args)
+        rc = args.fn(args)
     except ConfigError as err:
         print(f"belayer: {err}", file=sys.stderr)
         return 2
+    if argv is None and args.cmd == "run":  # a process of its own (console script, python -m), not a caller's
+        _exit_without_teardown(rc)
+    return rc
+
+
+def _exit_without_teardown(rc: int) -> NoReturn:
+    """Ends the process once the main job is done: other threads are joined and atexit handlers run (Ray's
+    shutdown, logging's flush), as at a normal exit, but the interpreter's teardown of the torch and
+    transformers modules is skipped: ~2.5 s of CPU at every run's end on a 2-core VM, freeing memory the
+    kernel frees anyway."""
+    import atexit
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()  # what the interpreter's own shutdown would wait for
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

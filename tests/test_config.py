@@ -108,3 +108,19 @@ def test_cli_config_check_exits_2_and_names_problems(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "belayer.engines.kind" in err and "belayer.monitor.failure_threshold" in err
     assert main(["config", "check", "fleet_demo", "belayer.use_fault_tolerance=true"]) == 0
+
+
+def test_a_run_dir_holding_an_earlier_run_is_refused_before_anything_starts(tmp_path, capsys):
+    from belayer_plugin.cli import main
+
+    used = tmp_path / "used"
+    (used / "learner-ckpt" / "step-2").mkdir(parents=True)
+    # Refused before Ray or any engine starts: the new run would resume the old run's learner at step 2
+    assert main(["run", "demo", f"belayer.run_dir={used}"]) == 2
+    err = capsys.readouterr().err
+    assert "belayer.run_dir" in err and "learner-ckpt/" in err and str(used) in err
+    assert sorted(p.name for p in used.iterdir()) == ["learner-ckpt"], "nothing written into the earlier run"
+    (used / "learner-ckpt" / "step-2").rmdir()
+    (used / "report.json").write_text("{}")
+    assert main(["run", "demo", f"belayer.run_dir={used}"]) == 2
+    assert "report.json" in capsys.readouterr().err

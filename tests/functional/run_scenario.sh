@@ -21,6 +21,7 @@ if [ "$EXPECT" = survival ]; then
         $(find "$ROOT/belayer_plugin" "$ROOT/envs" -name '*.py' | sort)) | sha1sum | cut -c1-12)
   gdir=${BELAYER_GOLDEN_DIR:-/tmp/belayer-golden-$key}${GOLDEN_TAG:+-$GOLDEN_TAG}
   if [ ! -f "$gdir/report.json" ]; then
+    rm -rf "$gdir.tmp"   # an interrupted earlier attempt: its checkpoints must not be resumed
     "$PY" -m belayer_plugin.cli run "$recipe" "belayer.run_dir=$gdir.tmp" belayer.chaos.enabled=false "${plain[@]}"
     rm -rf "$gdir"; mv "$gdir.tmp" "$gdir"
   fi
