@@ -99,9 +99,13 @@ def _cmd_fleet(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `belayer` console command."""
-    from belayer_plugin.lean_imports import skip_unused_imports
+    # argv None: the process entry (console script, python -m), Belayer's own process; a caller's argv
+    # (tests, a trainer) keeps its process as it is: its imports and its normal exit.
+    own_process = argv is None
+    if own_process:
+        from belayer_plugin.lean_imports import skip_unused_imports
 
-    skip_unused_imports()  # the console command is Belayer's own process, never a trainer's
+        skip_unused_imports()
     p = argparse.ArgumentParser(prog="belayer", description="Fault tolerance for agentic LLM RL training.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -162,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as err:
         print(f"belayer: {err}", file=sys.stderr)
         return 2
-    if argv is None and args.cmd == "run":  # a process of its own (console script, python -m), not a caller's
+    if own_process and args.cmd == "run":
         _exit_without_teardown(rc)
     return rc
 

@@ -11,19 +11,16 @@ from __future__ import annotations
 import os
 import sys
 
-_SKIPPED = ("sklearn",)
-
 
 def skip_unused_imports() -> None:
     """Marks scikit-learn unavailable in this process, before transformers is imported.
 
-    Call only in processes Belayer owns (engine server, learner actor, the CLI's main job), never in a
-    trainer's process, where user code may need scikit-learn. No-op when `BELAYER_KEEP_SKLEARN=1`, or when a
-    skipped module or transformers is already imported (its availability checks have already run).
+    Call only in processes Belayer owns (engine server, learner actor, the CLI as a process entry), never in a
+    trainer's process, where user code may need scikit-learn. No-op when `BELAYER_KEEP_SKLEARN=1`, or when
+    scikit-learn or transformers is already imported (its availability checks have already run).
     """
     if os.environ.get("BELAYER_KEEP_SKLEARN") == "1" or "transformers" in sys.modules:
         return
-    for name in _SKIPPED:
-        # A None entry makes `import sklearn` raise ImportError and importlib.util.find_spec return None,
-        # which is how transformers decides a package is missing.
-        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+    # A None entry makes `import sklearn` raise ImportError and importlib.util.find_spec return None, which is
+    # how transformers decides a package is missing.
+    sys.modules.setdefault("sklearn", None)  # type: ignore[arg-type]

@@ -124,3 +124,7 @@ def test_a_run_dir_holding_an_earlier_run_is_refused_before_anything_starts(tmp_
     (used / "report.json").write_text("{}")
     assert main(["run", "demo", f"belayer.run_dir={used}"]) == 2
     assert "report.json" in capsys.readouterr().err
+    import sys
+
+    # main(argv) from a caller leaves the caller's process alone: scikit-learn is not marked unavailable
+    assert sys.modules.get("sklearn", "absent") is not None

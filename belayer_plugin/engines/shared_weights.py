@@ -14,7 +14,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 MARKER = "belayer_shm.json"
 _ALIGN = 64
@@ -27,29 +27,25 @@ def is_shared(path: str | Path) -> bool:
     return (Path(path) / MARKER).exists()
 
 
-def _tensors(path: Path) -> Iterator[tuple[str, str, list[int], bytes]]:
+def _tensors(path: Path) -> list[tuple[str, str, list[int], bytes]]:
     """(name, torch dtype name, shape, raw bytes) of every tensor in a safetensors file.
 
-    Read through numpy where numpy has every dtype of the file: the holder then never imports torch (~2 s of
-    CPU at every fleet start on a 2-core VM); bfloat16 and other torch-only dtypes go through torch."""
+    Read through numpy when numpy has every dtype of the file: the holder then never imports torch (~2 s of
+    CPU at every fleet start on a 2-core VM); a file with bfloat16 or another torch-only dtype goes through
+    torch."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as st:
-            out = []
-            for name in st.keys():
-                a = st.get_tensor(name)
-                out.append((name, a.dtype.name, list(a.shape), a.tobytes()))
-            yield from out
-            return
+            return [(name, a.dtype.name, list(a.shape), a.tobytes())
+                    for name in st.keys() for a in (st.get_tensor(name),)]
     except (SafetensorError, TypeError, ValueError):
-        pass  # a dtype numpy lacks: the torch path below
+        pass  # a dtype numpy lacks
     import torch
 
     with safe_open(str(path), framework="pt") as st:
-        for name in st.keys():
-            t = st.get_tensor(name).contiguous()
-            yield name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes()
+        return [(name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes())
+                for name in st.keys() for t in (st.get_tensor(name).contiguous(),)]
 
 
 def publish(model_dir: str | Path, root: str | Path = "/dev/shm", tag: Optional[str] = None) -> Path:
