@@ -91,10 +91,9 @@ def unpublish(path: str | Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def load_model(path: str | Path) -> Any:
-    """A causal LM whose parameters live in the published shared-memory file (zero copy)."""
+def map_state(path: str | Path) -> tuple[dict[str, Any], mmap.mmap]:
+    """The published tensors by name, viewing the shared-memory file (zero copy), and that mapping."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     p = Path(path)
     index = json.loads((p / "index.json").read_text())
@@ -109,6 +108,26 @@ def load_model(path: str | Path) -> Any:
         dtype = getattr(torch, meta["dtype"])
         count = meta["nbytes"] // torch.empty((), dtype=dtype).element_size()
         state[name] = torch.frombuffer(mm, dtype=dtype, count=count, offset=meta["offset"]).view(meta["shape"])
+    return state, mm
+
+
+def load_native_model(path: str | Path) -> Any:
+    """native_lm's model over the published shared-memory file (zero copy for float32 weights)."""
+    from belayer_plugin.engines import native_lm
+
+    state, mm = map_state(path)
+    model = native_lm.NativeQwen2(native_lm.read_config(path), state)
+    model._belayer_mmap = mm  # keep the mapping alive as long as the model
+    return model
+
+
+def load_model(path: str | Path) -> Any:
+    """A transformers causal LM whose parameters live in the published shared-memory file (zero copy)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    p = Path(path)
+    state, mm = map_state(p)
     config = AutoConfig.from_pretrained(p)
     # Built on the meta device: initialising real random weights first would cost a private copy of the
     # model that the allocator keeps after they are replaced.
