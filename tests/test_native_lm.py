@@ -121,6 +121,22 @@ def test_checkpoints_it_cannot_run_are_named_and_bad_files_refused(tmp_path, tin
     (bad / "model.safetensors").write_bytes(data[: len(data) // 2])  # a half-written checkpoint
     with pytest.raises(ValueError, match="model.safetensors"):
         native_lm.from_pretrained(bad)
+    for junk in (b"\x00" * 4, (10**9).to_bytes(8, "little") + b"{}", (2).to_bytes(8, "little") + b"{x"):
+        (bad / "model.safetensors").write_bytes(junk)
+        with pytest.raises(ValueError, match="safetensors"):
+            native_lm.from_pretrained(bad)
+
+
+def test_mapped_weights_equal_the_safetensors_library_for_every_dtype(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16), "f16": torch.randn(2, 2).half(),
+               "i64": torch.arange(7), "empty": torch.zeros(0, 5), "scalar": torch.tensor(3.5)}
+    save_file(tensors, tmp_path / "t.safetensors", metadata={"format": "pt"})
+    ref, got = load_file(tmp_path / "t.safetensors"), native_lm.map_safetensors(tmp_path / "t.safetensors")
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype and got[k].shape == ref[k].shape and torch.equal(got[k], ref[k]), k
 
 
 def test_light_tokenizer_encodes_and_decodes_as_transformers(tiny_model):

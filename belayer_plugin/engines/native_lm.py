@@ -11,6 +11,7 @@ sliding windows) is reported by `unsupported_reason`, and the engine then loads 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -61,10 +62,54 @@ def _expected_names(cfg: dict) -> list[str]:
     return names
 
 
+# safetensors' dtype names (its format spec) -> torch dtype attribute names.
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def map_safetensors(file: str | Path) -> dict[str, Any]:
+    """The tensors of one safetensors file, viewing a copy-on-write mapping of it (no read, no copy).
+
+    As transformers 5 loads them: engines that load the same file share its page cache, and, as with
+    transformers (checked), a file truncated in place while mapped kills the process with SIGBUS (writers
+    must publish new weights by rename, as the learner does). ValueError for a file that is truncated or
+    whose header is malformed when it is mapped, before any tensor is used."""
+    import mmap
+    import os
+
+    import torch
+
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise ValueError(f"{file}: {size} bytes, not a safetensors file")
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    n = int.from_bytes(mm[:8], "little")
+    try:
+        if n > size - 8:
+            raise ValueError("header longer than the file")
+        header = json.loads(mm[8:8 + n])
+        header.pop("__metadata__", None)
+        state = {}
+        for name, meta in header.items():
+            begin, end = (8 + n + int(o) for o in meta["data_offsets"])
+            dtype = getattr(torch, _DTYPES[meta["dtype"]])
+            count = math.prod(meta["shape"])
+            if not (8 + n <= begin <= end <= size) or end - begin != count * dtype.itemsize:
+                raise ValueError(f"tensor {name!r} lies outside the file or has the wrong size")
+            state[name] = (torch.frombuffer(mm, dtype=dtype, count=count, offset=begin) if count
+                           else torch.empty(0, dtype=dtype)).view(meta["shape"])
+    except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        mm.close()
+        raise ValueError(f"{file}: not a valid safetensors file ({e})") from e
+    return state
+
+
 def load_safetensors(path: str | Path) -> dict[str, Any]:
     """Every tensor of a checkpoint directory's safetensors file(s), by name; FileNotFoundError if none."""
-    from safetensors.torch import load_file
-
     p = Path(path)
     index = p / "model.safetensors.index.json"
     if index.exists():
@@ -73,14 +118,9 @@ def load_safetensors(path: str | Path) -> dict[str, Any]:
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"no safetensors weights in {p}")
-    from safetensors import SafetensorError
-
     state: dict[str, Any] = {}
     for f in files:
-        try:
-            state.update(load_file(str(p / f)))
-        except SafetensorError as e:  # a truncated or corrupt file: a bad checkpoint, not a server error
-            raise ValueError(f"{p / f}: {e}") from e
+        state.update(map_safetensors(p / f))
     return state
 
 
