@@ -18,7 +18,8 @@ echo "[test.sh] logs and per-test times (a.times, b.times) in $out"
 # test_fleet_recovery.py (~6.5 min) sits in A for that balance. 2026-12-02: A 39.4 min, B 36.4 min, so
 # the engine_kill_refit chaos script (~1.8 min, a duplicate of a fleet-recovery test) moved to --full.
 # 2026-12-03 (afternoon): A 41.2 min, B 44.7 min on a slow run of this VM, so test_fleet_launch.py and
-# test_fleet_progress.py (~1.8 min together) moved to A.
+# test_fleet_progress.py (~1.8 min together) moved to A. 2026-12-03 (evening, CPU engines without
+# transformers): A 29.7 min, B 27.4 min.
 A=(tests/test_functional.py tests/test_fork_groups.py tests/test_soak.py tests/test_fuzz_checkpoint.py
    $(ls tests/test_sandbox_*.py) tests/test_fleet_recovery.py tests/test_fleet_launch.py tests/test_fleet_progress.py)
 B=()
