@@ -34,25 +34,32 @@ def cold_start(cfg, model: str, timeout: float, extra_env: dict) -> tuple[float,
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, env={**os.environ, **env, **extra_env}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    cpu = [0.0]
     try:
-        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-        while time.monotonic() - t0 < timeout:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cfg.engines.kind} server exited with {proc.returncode}")
-            try:
-                r = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=30)
-                if r.status_code == 200 and r.json()["output_ids"]:
-                    return time.monotonic() - t0, cpu
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"{cfg.engines.kind} engine not serving after {timeout} s")
+        took = _first_token(cfg, proc, port, t0, timeout)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, _, ru = os.wait4(proc.pid, 0)
-        proc.returncode = -signal.SIGKILL
-        cpu[0] = ru.ru_utime + ru.ru_stime  # filled in before the caller reads it
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it exited (and was reaped) on its own: that error is the one to see
+            pass
+    # Reaped here rather than by Popen, for the server's own CPU time (its rusage).
+    _, _, ru = os.wait4(proc.pid, 0)
+    proc.returncode = -signal.SIGKILL
+    return took, ru.ru_utime + ru.ru_stime
+
+
+def _first_token(cfg, proc: subprocess.Popen, port: int, t0: float, timeout: float) -> float:
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cfg.engines.kind} server exited with {proc.returncode}")
+        try:
+            r = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=30)
+            if r.status_code == 200 and r.json()["output_ids"]:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{cfg.engines.kind} engine not serving after {timeout} s")
 
 
 def main() -> None:
@@ -77,7 +84,7 @@ def main() -> None:
                 continue
         model = resolve_model_path(cfg)
         runs = [cold_start(cfg, model, 300, extra_env) for _ in range(repeats)]
-        times, cpu = [t for t, _ in runs], [c[0] for _, c in runs]
+        times, cpu = [t for t, _ in runs], [c for _, c in runs]
         results[kind], cpus[kind] = statistics.median(times), statistics.median(cpu)
         print(f"{kind:16s} cold start (process start -> first token): median {results[kind]:.2f} s "
               f"over {repeats}: {', '.join(f'{t:.2f}' for t in times)}; leader CPU median {cpus[kind]:.2f} s")
