@@ -1,9 +1,10 @@
 """Keeps Belayer's own processes from importing libraries they never use.
 
 transformers imports scikit-learn whenever it is installed (and with it scipy and pandas: ~1.8 s of CPU per
-process on this VM), only to filter candidates in assisted generation, which no Belayer process runs. Every
-CPU engine, the reference learner and the main job's driver load transformers, and engines start often
-(restarts, shadows, every test fleet), so that import is a large share of a start-up on a few cores.
+process on this VM), only to filter candidates in assisted generation, which no Belayer process runs. The
+reference learner, the main job's driver and CPU engines serving a non-Qwen2 checkpoint load transformers
+(a Qwen2 checkpoint is served by engines.native_lm without it), and such engines start often (restarts,
+shadows, every test fleet), so that import is a large share of a start-up on a few cores.
 """
 
 from __future__ import annotations
