@@ -27,6 +27,10 @@ from belayer_plugin.engines.launch import free_port, server_command  # noqa: E40
 from belayer_plugin.fleet.launch import resolve_model_path  # noqa: E402
 
 
+# bench kind -> the CPU engine's --model-impl (through its environment variable)
+_CPU_IMPL = {"cpu": "auto", "cpu_transformers": "transformers"}
+
+
 def cold_start(cfg, model: str, timeout: float, extra_env: dict) -> tuple[float, float]:
     """Seconds from spawning the server to its first generated token, and the CPU seconds it spent."""
     port = free_port()
@@ -71,9 +75,7 @@ def main() -> None:
     repeats = args.repeats or (2 if args.quick else 5)
     results, cpus = {}, {}
     for kind in args.kinds.split(","):
-        extra_env = {"BELAYER_CPU_MODEL_IMPL": "transformers"} if kind == "cpu_transformers" else {}
-        if kind == "cpu":
-            extra_env = {"BELAYER_CPU_MODEL_IMPL": "auto"}
+        extra_env = {"BELAYER_CPU_MODEL_IMPL": _CPU_IMPL[kind]} if kind in _CPU_IMPL else {}
         engine_kind = "cpu" if kind.startswith("cpu") else kind
         cfg, _ = load_belayer_config("fleet_demo", [f"belayer.engines.kind={engine_kind}"])
         if kind == "sglang":

@@ -26,11 +26,15 @@ def _qwen2(tmp_path, tiny_model, name: str, **over):
     cfg = Qwen2Config(**{**base, **over})
     torch.manual_seed(1)
     m = Qwen2ForCausalLM(cfg).to(torch.float32).eval()
-    out = tmp_path / name
-    m.save_pretrained(str(out))
+    return _save_beside_tokenizer(m, tmp_path / name, tiny_model), m
+
+
+def _save_beside_tokenizer(model, out, tiny_model):
+    """Saves a transformers model under `out` with the tiny model's tokenizer files; returns `out`."""
+    model.save_pretrained(str(out))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{tiny_model}/{f}", out / f)
-    return out, m
+    return out
 
 
 def _reference(path):
@@ -165,10 +169,7 @@ async def test_auto_serves_other_architectures_through_transformers(tmp_path, ti
                                          num_attention_heads=2, num_key_value_heads=2, head_dim=32,
                                          max_position_embeddings=cfg["max_position_embeddings"],
                                          eos_token_id=0, pad_token_id=0, bos_token_id=None))
-    out = tmp_path / "llama"
-    llama.save_pretrained(str(out))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tiny_model}/{f}", out / f)
+    out = _save_beside_tokenizer(llama, tmp_path / "llama", tiny_model)
     refused = subprocess.run([sys.executable, "-m", "belayer_plugin.engines.cpu_server", "--model-path", str(out),
                               "--port", "1", "--model-impl", "native"], capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "model_type 'llama'" in refused.stderr

@@ -11,7 +11,7 @@ sliding windows) is reported by `unsupported_reason`, and the engine then loads 
 from __future__ import annotations
 
 import json
-import math
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -38,8 +38,9 @@ def unsupported_reason(cfg: dict) -> Optional[str]:
     """Why this module cannot run the model of `cfg` (None: it can)."""
     if cfg.get("model_type") != _ARCH:
         return f"model_type {cfg.get('model_type')!r} (only {_ARCH!r} is native)"
-    if _rope(cfg).get("rope_type", "default") != "default":
-        return f"RoPE type {_rope(cfg).get('rope_type')!r}"
+    rope_type = _rope(cfg).get("rope_type", "default")
+    if rope_type != "default":
+        return f"RoPE type {rope_type!r}"
     if cfg.get("use_sliding_window"):
         return "sliding-window attention"
     if cfg.get("hidden_act", "silu") != "silu":
@@ -68,44 +69,24 @@ _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat
 
 
 def map_safetensors(file: str | Path) -> dict[str, Any]:
-    """The tensors of one safetensors file, viewing a copy-on-write mapping of it (no read, no copy).
+    """The tensors of one safetensors file, mapped as transformers 5 maps them (engines.mapped); ValueError
+    for a file that is truncated or whose header is malformed, before any tensor is used."""
+    from belayer_plugin.engines.mapped import map_tensors
 
-    As transformers 5 loads them: engines that load the same file share its page cache, and, as with
-    transformers (checked), a file truncated in place while mapped kills the process with SIGBUS (writers
-    must publish new weights by rename, as the learner does). ValueError for a file that is truncated or
-    whose header is malformed when it is mapped, before any tensor is used."""
-    import mmap
-    import os
-
-    import torch
-
-    fd = os.open(file, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        if size < 8:
-            raise ValueError(f"{file}: {size} bytes, not a safetensors file")
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-    finally:
-        os.close(fd)
-    n = int.from_bytes(mm[:8], "little")
-    try:
-        if n > size - 8:
-            raise ValueError("header longer than the file")
-        header = json.loads(mm[8:8 + n])
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > os.fstat(f.fileno()).st_size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(n))
         header.pop("__metadata__", None)
-        state = {}
+        entries = {}
         for name, meta in header.items():
             begin, end = (8 + n + int(o) for o in meta["data_offsets"])
-            dtype = getattr(torch, _DTYPES[meta["dtype"]])
-            count = math.prod(meta["shape"])
-            if not (8 + n <= begin <= end <= size) or end - begin != count * dtype.itemsize:
-                raise ValueError(f"tensor {name!r} lies outside the file or has the wrong size")
-            state[name] = (torch.frombuffer(mm, dtype=dtype, count=count, offset=begin) if count
-                           else torch.empty(0, dtype=dtype)).view(meta["shape"])
-    except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
-        mm.close()
+            entries[name] = (_DTYPES[meta["dtype"]], list(meta["shape"]), begin, end - begin)
+        return map_tensors(file, entries)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"{file}: not a valid safetensors file ({e})") from e
-    return state
 
 
 def load_safetensors(path: str | Path) -> dict[str, Any]:
@@ -167,10 +148,8 @@ class NativeQwen2:
     def load_state_dict(self, named: dict[str, Any], strict: bool = False, assign: bool = True) -> None:
         """Replaces the named parameters (float32); a tied head follows a new embedding."""
         for name, t in named.items():
-            self.params[name] = t if t.dtype == _f32() else t.float()
+            self.params[name] = t.float()  # a no-op for float32 (the same tensor, still mapped)
         if self.tied and "model.embed_tokens.weight" in named and "lm_head.weight" not in named:
-            self.params["lm_head.weight"] = self.params["model.embed_tokens.weight"]
-        elif "lm_head.weight" not in self.params:
             self.params["lm_head.weight"] = self.params["model.embed_tokens.weight"]
 
     def _norm(self, x: Any, w: Any) -> Any:
@@ -232,12 +211,6 @@ def _rotate_half(x: Any) -> Any:
 
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _f32() -> Any:
-    import torch
-
-    return torch.float32
 
 
 def from_pretrained(path: str | Path) -> NativeQwen2:

@@ -9,8 +9,6 @@ process overhead, not another copy of the model.
 from __future__ import annotations
 
 import json
-import mmap
-import os
 import shutil
 import uuid
 from pathlib import Path
@@ -91,34 +89,21 @@ def unpublish(path: str | Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def map_state(path: str | Path) -> tuple[dict[str, Any], mmap.mmap]:
-    """The published tensors by name, viewing the shared-memory file (zero copy), and that mapping."""
-    import torch
+def map_state(path: str | Path) -> dict[str, Any]:
+    """The published tensors by name, viewing the shared-memory file (engines.mapped: zero copy)."""
+    from belayer_plugin.engines.mapped import map_tensors
 
     p = Path(path)
     index = json.loads((p / "index.json").read_text())
-    fd = os.open(p / "weights.bin", os.O_RDONLY)
-    try:
-        # Copy-on-write: pages stay shared with every other engine as long as nobody writes them.
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-    finally:
-        os.close(fd)
-    state = {}
-    for name, meta in index.items():
-        dtype = getattr(torch, meta["dtype"])
-        count = meta["nbytes"] // torch.empty((), dtype=dtype).element_size()
-        state[name] = torch.frombuffer(mm, dtype=dtype, count=count, offset=meta["offset"]).view(meta["shape"])
-    return state, mm
+    return map_tensors(p / "weights.bin", {name: (m["dtype"], m["shape"], m["offset"], m["nbytes"])
+                                           for name, m in index.items()})
 
 
 def load_native_model(path: str | Path) -> Any:
     """native_lm's model over the published shared-memory file (zero copy for float32 weights)."""
     from belayer_plugin.engines import native_lm
 
-    state, mm = map_state(path)
-    model = native_lm.NativeQwen2(native_lm.read_config(path), state)
-    model._belayer_mmap = mm  # keep the mapping alive as long as the model
-    return model
+    return native_lm.NativeQwen2(native_lm.read_config(path), map_state(path))
 
 
 def load_model(path: str | Path) -> Any:
@@ -127,7 +112,7 @@ def load_model(path: str | Path) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     p = Path(path)
-    state, mm = map_state(p)
+    state = map_state(p)
     config = AutoConfig.from_pretrained(p)
     # Built on the meta device: initialising real random weights first would cost a private copy of the
     # model that the allocator keeps after they are replaced.
@@ -146,7 +131,6 @@ def load_model(path: str | Path) -> Any:
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"shared weights left tensors uninitialised: {left[:5]}")
-    model._belayer_mmap = mm  # keep the mapping alive as long as the model
     model.eval()
     return model
 
