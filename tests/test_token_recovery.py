@@ -144,6 +144,11 @@ async def test_with_no_per_token_reader_chunks_are_parsed_per_segment_not_per_to
     parses = []
     real_parse = resumable.parse_chunk
     monkeypatch.setattr(resumable, "parse_chunk", lambda url, raw: parses.append(url) or real_parse(url, raw))
+    # and no task woken per chunk: every segment is read by callbacks from the socket (stream_reader.py),
+    # none through the per-chunk async iterator
+    iterated = []
+    real_events = resumable.stream_events
+    monkeypatch.setattr(resumable, "stream_events", lambda *a, **k: iterated.append(a[1]) or real_events(*a, **k))
     async with fleet_and_front(tmp_path, tiny_model) as (fm, gen, front):
         golden = await _golden(fm.slots["engine-0"].info.url)
         base = await _counters(fm)
@@ -185,6 +190,7 @@ async def test_with_no_per_token_reader_chunks_are_parsed_per_segment_not_per_to
         assert all(golden[1][:len(ch["output_ids"])] == ch["output_ids"] for ch in body)
         # 2 x 300 tokens streamed from the engines; a parse per token would be hundreds.
         assert len(parses) <= 6, len(parses)
+        assert iterated == [], iterated
         after = await _counters(fm)
         for url, cnt in after.items():  # the survivor generated exactly what the segments on it account for
             on_it = sum(sg["end"] - sg["start"] for out in (lazy, chunks[-1])

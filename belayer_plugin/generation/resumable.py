@@ -26,6 +26,7 @@ import httpx
 
 from belayer_plugin.config import RecoveryConfig
 from belayer_plugin.events import EventLog
+from belayer_plugin.generation import stream_reader
 from belayer_plugin.generation.context_log import ContextLog, Segment
 from belayer_plugin.generation.resume_policy import (UnsupportedRequestError, check_request, resume_refusals,
                                                      segment_seed, stop_strings)
@@ -390,7 +391,7 @@ class ResumableGenerator:
         (observers, `on_progress`, a stop string to find across a cut). Otherwise only the newest chunk is
         kept, unparsed, and committed when the segment ends, fails or is cancelled: chunks are cumulative, so
         the newest one holds every token the engine sent and a failure loses nothing; the per-token cost is
-        then a scan for the chunk's end.
+        then a scan for the chunk's end, done by callbacks from the socket (stream_reader.py) for http URLs.
         """
         first = seg.start == 0 and len(log.segments) == 1  # the engine's chunks are the client's, verbatim
         stop_check = seg.start > 0 and bool(stop_strings(sp)) and self._tokenizer is not None
@@ -424,25 +425,35 @@ class ResumableGenerator:
                 await apply(fallback)  # the newest did not parse: keep what the one before it holds
                 raise
 
+        def keep(newest: Optional[bytes], done: bool) -> None:  # lazy mode, per read: no parse
+            nonlocal pending, prev
+            if newest is not None:
+                if seen is not None:
+                    seen()
+                pending, prev = newest, pending
+                if on_chunk is not None and not done and first:
+                    on_chunk(newest, log, seg)
+
         body = self._body(log, sp, seed, log.remaining, attempt)
-        events = stream_events(self._stream_session(), seg.url, body, timeout=self.cfg.stall_timeout_s,
-                               read_timeout=self.cfg.stall_timeout_s)
+        timeout = self.cfg.stall_timeout_s
         try:
-            async with contextlib.aclosing(events):  # an early return closes the engine's stream at once
-                async for newest, done in events:
-                    if newest is not None:
-                        if seen is not None:
-                            seen()
-                        if eager:
+            if not eager and stream_reader.supported(seg.url):
+                # read by callbacks from the socket: no task woken per token (stream_reader.py)
+                await stream_reader.read_stream(seg.url, body, timeout, timeout, keep)
+            else:
+                events = stream_events(self._stream_session(), seg.url, body, timeout=timeout, read_timeout=timeout)
+                async with contextlib.aclosing(events):  # an early return closes the engine's stream at once
+                    async for newest, done in events:
+                        if newest is not None and eager:
+                            if seen is not None:
+                                seen()
                             fr = await apply(newest)
                             if fr is not None:
                                 return fr
                         else:
-                            pending, prev = newest, pending
-                            if on_chunk is not None and not done and first:
-                                on_chunk(newest, log, seg)
-                    if done:
-                        break
+                            keep(newest, done)
+                        if done:
+                            break
             fr = await flush()
             if fr is None:
                 raise StreamBroken(seg.url, "stream ended with [DONE] but no finish_reason")
