@@ -247,6 +247,11 @@ class RecoveryConfig:
     # 1 commits every token (a kill regenerates nothing); k > 1 costs the client 1/k of the per-chunk work
     # and a kill may regenerate up to k - 1 tokens the engine had not sent yet.
     stream_interval: int = _req()
+    # Stream mode, readers that keep only the newest chunk (no per-token observer, no client streaming from the
+    # front): the socket is read at most every this many ms or when 64 KiB are waiting, not at every chunk.
+    # Tokens wait in the kernel, not on the engine: a kill loses none (the engine's close is read at once).
+    # 0: every chunk as it comes.
+    stream_coalesce_ms: float = _req()
     max_attempts: int = _req()  # per request, counting the first
     stall_timeout_s: float = _req()  # no new token for this long counts as a failure
     request_timeout_s: float = _req()
@@ -264,6 +269,8 @@ class RecoveryConfig:
             out.append("chunk_tokens: must be >= 1")
         if self.stream_interval < 1:
             out.append("stream_interval: must be >= 1")
+        if not 0 <= self.stream_coalesce_ms <= 1000:
+            out.append("stream_coalesce_ms: must be in [0, 1000]")
         if self.max_attempts < 1:
             out.append("max_attempts: must be >= 1")
         if self.stall_timeout_s <= 0 or self.request_timeout_s <= 0:

@@ -238,3 +238,63 @@ async def test_a_real_aiohttp_server_stream_is_read_to_its_done_and_gets_the_pos
 def test_only_plain_http_urls_are_read_here():
     assert supported("http://127.0.0.1:30000") and supported("http://[::1]:8000")
     assert not supported("https://engine:30000") and not supported("unix:///x") and not supported("nonsense")
+
+
+def _cumulative(n: int) -> list[bytes]:
+    return [orjson.dumps({"text": "a" * i, "output_ids": list(range(i)), "meta_info": {
+        "finish_reason": {"type": "length"} if i == n else None}}) for i in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("window", [0.0, 0.1])
+async def test_a_coalescing_window_reads_the_newest_of_several_chunks_instead_of_each(window):
+    chunks = _cumulative(60)
+
+    async def script(reader, writer):
+        writer.write(HEAD)
+        for c in chunks:
+            writer.write(_chunked(b"data: " + c + b"\n\n", 10_000, end=False))
+            await writer.drain()
+            await asyncio.sleep(0.005)
+        writer.write(_chunked(b"data: [DONE]\n\n"))
+        await writer.drain()
+        await reader.read()
+
+    server, url, _ = await _raw_server(script)
+    got: list = []
+    async with server:
+        async with asyncio.timeout(20):
+            await read_stream(url, {}, 5.0, 5.0, lambda n, d: got.append((n, d)), coalesce_s=window)
+    news = [n for n, _ in got if n is not None]
+    assert news[-1] == chunks[-1] and got[-1][1]
+    if window:
+        # ~0.3 s of chunks in 0.1 s windows (the first read comes at once): a handful of reads, not 60
+        assert len(got) <= 12, len(got)
+    else:
+        assert len(got) >= 30, len(got)
+
+
+@pytest.mark.parametrize("close", ["fin", "rst"])
+async def test_an_engine_that_dies_within_a_window_is_seen_at_once_and_every_chunk_it_sent_is_kept(close):
+    chunks = _cumulative(20)
+
+    async def script(reader, writer):
+        writer.write(HEAD)
+        for c in chunks[:10]:
+            writer.write(_chunked(b"data: " + c + b"\n\n", 10_000, end=False))
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        if close == "rst":  # a close that resets the connection (SO_LINGER 0)
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            writer.transport.abort()
+        # "fin": the handler returns and closes, as a SIGKILLed engine's kernel does
+
+    server, url, _ = await _raw_server(script)
+    got: list = []
+    t0 = time.monotonic()
+    async with server:
+        with pytest.raises(StreamBroken):
+            async with asyncio.timeout(20):
+                await read_stream(url, {}, 5.0, 5.0, lambda n, d: got.append((n, d)), coalesce_s=2.0)
+    assert time.monotonic() - t0 < 1.5  # not held until the 2 s window ends
+    assert [n for n, _ in got if n is not None][-1] == chunks[9]

@@ -438,8 +438,11 @@ class ResumableGenerator:
         timeout = self.cfg.stall_timeout_s
         try:
             if not eager and stream_reader.supported(seg.url):
-                # read by callbacks from the socket: no task woken per token (stream_reader.py)
-                await stream_reader.read_stream(seg.url, body, timeout, timeout, keep)
+                # read by callbacks from the socket: no task woken per token (stream_reader.py); and at most
+                # every recovery.stream_coalesce_ms unless a client reads the chunks as they come
+                forwarding = on_chunk is not None and first
+                await stream_reader.read_stream(seg.url, body, timeout, timeout, keep,
+                                                0.0 if forwarding else self.cfg.stream_coalesce_ms / 1000)
             else:
                 events = stream_events(self._stream_session(), seg.url, body, timeout=timeout, read_timeout=timeout)
                 async with contextlib.aclosing(events):  # an early return closes the engine's stream at once

@@ -7,11 +7,18 @@ none of that. Here an `asyncio.Protocol` decodes the HTTP/1.1 response in `data_
 complete SSE `data:` payload of each read and hands it to a plain callback; the awaiting task wakes once,
 when the stream ends. One connection per stream (`Connection: close`): its set-up is paid once per
 segment, not per token.
+
+With a coalescing window the socket is not even read per chunk: its SO_RCVLOWAT is raised so that the kernel
+reports it readable only once `_COALESCE_LOWAT` bytes wait, and a timer lowers it to 1 every window, which
+makes the kernel report whatever came (lowering the mark signals readiness at once). Chunks are cumulative,
+so a read holding several keeps the newest; an engine's close (a kill) is reported at once whatever the mark,
+and the tokens already in the kernel's buffer are read before it: none is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Callable, Optional
 
 import orjson
@@ -24,6 +31,9 @@ OnData = Callable[[Optional[bytes], bool], None]
 
 _MAX_HEAD = 64 * 1024  # a response head longer than this is not an engine's
 _MAX_ERROR_BODY = 64 * 1024  # what is kept of a non-200 answer's body (its message)
+# Coalescing: this much waiting makes a read before the window ends (the kernel's receive buffer grows to hold
+# it, so the engine is never throttled by a reader waiting for its timer).
+_COALESCE_LOWAT = 64 * 1024
 
 
 def supported(url: str) -> bool:
@@ -39,8 +49,12 @@ class _Response(asyncio.Protocol):
     """One HTTP/1.1 response to a streaming POST: status, headers, then a chunked, sized or to-the-close body."""
 
     def __init__(self, url: str, request: bytes, on_data: OnData, read_timeout: float,
-                 done: asyncio.Future):
+                 done: asyncio.Future, coalesce_s: float = 0.0):
         self.url, self.request, self.on_data, self.read_timeout, self.done = url, request, on_data, read_timeout, done
+        self.coalesce_s = coalesce_s
+        self.sock: Optional[socket.socket] = None  # set while coalescing
+        self.lowered = False  # the mark is down to 1: the next read restores it and re-arms the window
+        self.window: Optional[asyncio.TimerHandle] = None
         self.loop = done.get_loop()
         self.transport: Optional[asyncio.Transport] = None
         self.head = bytearray()
@@ -59,11 +73,28 @@ class _Response(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.transport.write(self.request)
+        if self.coalesce_s > 0:
+            sock = transport.get_extra_info("socket")
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, _COALESCE_LOWAT)
+            except (OSError, AttributeError):
+                return  # not a TCP socket that takes a mark: read per chunk
+            self.sock = sock
+            # the head comes at once (a read of fewer bytes than the mark waits for the window)
+            self.lowered = True
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
     def data_received(self, data: bytes) -> None:
         if self.done.done():
             return
         self.last_data = self.loop.time()
+        if self.sock is not None and self.lowered and self.status is not None:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, _COALESCE_LOWAT)
+                self.lowered = False
+                self.window = self.loop.call_later(self.coalesce_s, self._lower)
+            except OSError:
+                self.sock = None
         try:
             if self.status is None:
                 data = self._head(data)
@@ -89,8 +120,7 @@ class _Response(asyncio.Protocol):
         return False  # close our side too: connection_lost follows
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
-        if self.watch is not None:
-            self.watch.cancel()
+        self._stop_timers()
         if self.done.done():
             return
         if self.status is not None and self.status != 200 and not self.chunked and self.left is None:
@@ -200,7 +230,22 @@ class _Response(asyncio.Protocol):
         if done and not self.done.done():
             self.done.set_result(None)
 
+    def _lower(self) -> None:
+        """The window is over: whatever waits is read now (and the next read restores the mark)."""
+        self.window = None
+        if self.sock is not None and not self.done.done():
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+                self.lowered = True
+            except OSError:
+                self.sock = None
+
     # ------------------------------------------------------------ ends
+    def _stop_timers(self) -> None:
+        for h in (self.watch, self.window):
+            if h is not None:
+                h.cancel()
+
     def _check_stall(self) -> None:
         left = self.last_data + self.read_timeout - self.loop.time()
         if left <= 0:
@@ -215,9 +260,11 @@ class _Response(asyncio.Protocol):
             self.transport.abort()
 
 
-async def read_stream(url: str, payload: dict, timeout: float, read_timeout: float, on_data: OnData) -> None:
+async def read_stream(url: str, payload: dict, timeout: float, read_timeout: float, on_data: OnData,
+                      coalesce_s: float = 0.0) -> None:
     """POSTs a streaming /generate to `url` (an http base URL) and calls `on_data(newest, done)` from each read
-    that completes an SSE event; returns after `[DONE]`. Raises StreamBroken on an end without it, a stall of
+    that completes an SSE event; returns after `[DONE]`. With `coalesce_s` > 0 the socket is read at most that
+    often (or when 64 KiB wait), so `on_data` sees the newest of several chunks. Raises StreamBroken on an end without it, a stall of
     `read_timeout` seconds or a failed connection (within `timeout`), GenerateError for a non-200 answer, and
     closes the connection on any exit, cancellation included (the engine then aborts the request)."""
     u = URL(f"{url}/generate")
@@ -229,7 +276,7 @@ async def read_stream(url: str, payload: dict, timeout: float, read_timeout: flo
                ).encode("latin-1") + body
     loop = asyncio.get_running_loop()
     done = loop.create_future()
-    proto = _Response(url, request, on_data, read_timeout, done)
+    proto = _Response(url, request, on_data, read_timeout, done, coalesce_s)
     try:
         async with asyncio.timeout(timeout):
             await loop.create_connection(lambda: proto, host, u.port)
@@ -238,8 +285,7 @@ async def read_stream(url: str, payload: dict, timeout: float, read_timeout: flo
     try:
         await done
     finally:
-        if proto.watch is not None:
-            proto.watch.cancel()
+        proto._stop_timers()
         if proto.transport is not None:
             if done.done() and not done.cancelled() and done.exception() is None:
                 proto.transport.close()
