@@ -74,15 +74,13 @@ class _Response(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self.transport.write(self.request)
         if self.coalesce_s > 0:
+            # The head is read at once (the mark stays 1 until the first read after it, which arms the window).
             sock = transport.get_extra_info("socket")
             try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, _COALESCE_LOWAT)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             except (OSError, AttributeError):
-                return  # not a TCP socket that takes a mark: read per chunk
-            self.sock = sock
-            # the head comes at once (a read of fewer bytes than the mark waits for the window)
-            self.lowered = True
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+                return  # not a socket that takes a mark: read per chunk
+            self.sock, self.lowered = sock, True
 
     def data_received(self, data: bytes) -> None:
         if self.done.done():
@@ -281,7 +279,7 @@ async def read_stream(url: str, payload: dict, timeout: float, read_timeout: flo
         async with asyncio.timeout(timeout):
             await loop.create_connection(lambda: proto, host, u.port)
     except (OSError, TimeoutError) as e:
-        raise StreamBroken(url, f"cannot connect: {type(e).__name__}: {e}") from e
+        raise StreamBroken(url, f"cannot connect: {type(e).__name__}: {e}", delivered=False) from e
     try:
         await done
     finally:
