@@ -298,3 +298,64 @@ async def test_an_engine_that_dies_within_a_window_is_seen_at_once_and_every_chu
                 await read_stream(url, {}, 5.0, 5.0, lambda n, d: got.append((n, d)), coalesce_s=2.0)
     assert time.monotonic() - t0 < 1.5  # not held until the 2 s window ends
     assert [n for n, _ in got if n is not None][-1] == chunks[9]
+
+
+class _Sequence:
+    """A selector that hands out the given URLs in order (one per attempt)."""
+
+    def __init__(self, urls: list[str]):
+        self.urls, self.failures = list(urls), []
+
+    async def pick(self, exclude, timeout):
+        from belayer_plugin.generation.resumable import Target
+        url = self.urls.pop(0)
+        return Target(url, url)
+
+    def release(self, target):
+        pass
+
+    async def failed(self, target, reason):
+        self.failures.append(reason)
+
+
+def _closed_port_url() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now: a connection is refused, as on an engine already dead
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("delivered", [False, True])
+async def test_only_an_engine_that_took_the_request_and_died_without_a_token_is_poison_evidence(delivered):
+    """CI saw an innocent request quarantined: its retries landed on engines another request had just killed
+    and were refused. A refused connection says nothing about the request; a death after it was sent does."""
+    from belayer_plugin.generation.resumable import RequestPoisonedError, ResumableGenerator
+    from tests.conftest import belayer_cfg
+
+    chunks = _cumulative(5)
+
+    async def serve(_, writer):
+        writer.write(HEAD + _chunked(b"".join(b"data: " + c + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"))
+        await writer.drain()
+
+    async def take_and_die(_, writer):
+        writer.write(HEAD)
+        await writer.drain()  # the request was read; the engine dies before its first token
+
+    good, good_url, _ = await _raw_server(serve)
+    bad, bad_url, bad_conns = await _raw_server(take_and_die)
+    recovery = belayer_cfg("belayer.recovery.poison_max_deaths=2", "belayer.recovery.max_attempts=4").recovery
+    first = [bad_url, bad_url] if delivered else [_closed_port_url(), _closed_port_url()]
+    sel = _Sequence(first + [good_url])
+    gen = ResumableGenerator(sel, recovery)
+    async with good, bad:
+        async with asyncio.timeout(20):
+            if delivered:
+                with pytest.raises(RequestPoisonedError):
+                    await gen.generate("r", [1, 2], {"max_new_tokens": 5, "temperature": 0.0})
+                assert len(bad_conns) == 2
+            else:
+                _, resp = await gen.generate("r", [1, 2], {"max_new_tokens": 5, "temperature": 0.0})
+                assert resp["output_ids"] == list(range(5))
+    assert len(sel.failures) == 2  # either way both engines were reported to the fleet

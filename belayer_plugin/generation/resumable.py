@@ -305,10 +305,13 @@ class ResumableGenerator:
                 await self.selector.failed(target, e.reason[:200])
                 self.events.emit("recovery", log.rid, "request_failed_on_engine", e.reason[:200], level="warning",
                                  engine=target.engine, committed=log.committed, attempt=failures)
-                if seg.end == seg.start and self.cfg.mode == "stream" and not e.reason.startswith(_ABORTED):
+                if (seg.end == seg.start and self.cfg.mode == "stream" and e.delivered
+                        and not e.reason.startswith(_ABORTED)):
                     # Stream mode commits every token, so "no token" means it died on this request's prefill
                     # or first step. (Chunked mode commits per chunk: any mid-chunk kill would look alike, so
-                    # there max_attempts alone bounds a poison request.)
+                    # there max_attempts alone bounds a poison request.) A refused connection is not counted:
+                    # the engine was already dead, as when a request lands on a slot another request just
+                    # killed (CI saw an innocent request quarantined that way).
                     no_progress.append(target)
                 if len(no_progress) >= self.cfg.poison_max_deaths:
                     err = RequestPoisonedError(log.rid, [t.engine for t in no_progress], log)

@@ -18,10 +18,13 @@ import orjson
 
 
 class GenerateError(RuntimeError):
-    """A /generate call failed: connection refused, HTTP error, or a broken stream."""
+    """A /generate call failed: connection refused, HTTP error, or a broken stream. `delivered` is False when
+    no connection was made, so the engine never saw the request (no evidence against the request itself)."""
 
-    def __init__(self, url: str, reason: str, status: Optional[int] = None, retriable: bool = True):
+    def __init__(self, url: str, reason: str, status: Optional[int] = None, retriable: bool = True,
+                 delivered: bool = True):
         self.url, self.reason, self.status, self.retriable = url, reason, status, retriable
+        self.delivered = delivered
         super().__init__(f"{url}: {reason}" + (f" (HTTP {status})" if status else ""))
 
 
@@ -40,7 +43,7 @@ async def generate(client: httpx.AsyncClient, url: str, payload: dict, timeout: 
     try:
         resp = await client.post(f"{url}/generate", json=body, timeout=timeout)
     except httpx.HTTPError as e:
-        raise GenerateError(url, f"{type(e).__name__}: {e}") from e
+        raise GenerateError(url, f"{type(e).__name__}: {e}", delivered=not isinstance(e, httpx.ConnectError)) from e
     if resp.status_code != 200:
         raise _http_error(url, resp.status_code, resp.text)
     try:
@@ -119,7 +122,7 @@ async def _httpx_blocks(client: httpx.AsyncClient, url: str, body: dict, timeout
             async for block in resp.aiter_bytes():
                 yield block
     except httpx.HTTPError as e:
-        raise StreamBroken(url, f"{type(e).__name__}: {e}") from e
+        raise StreamBroken(url, f"{type(e).__name__}: {e}", delivered=not isinstance(e, httpx.ConnectError)) from e
 
 
 class _Stalled(Exception):
@@ -173,7 +176,8 @@ async def _aiohttp_blocks(session: aiohttp.ClientSession, url: str, body: dict, 
     except _Stalled:
         raise StreamBroken(url, f"no data within the read timeout ({read_timeout:g} s)") from None
     except (aiohttp.ClientError, TimeoutError) as e:
-        raise StreamBroken(url, f"{type(e).__name__}: {e}") from e
+        raise StreamBroken(url, f"{type(e).__name__}: {e}",
+                           delivered=not isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))) from e
 
 
 def newest_event(buf: bytes) -> tuple[Optional[bytes], bool, bytes]:
