@@ -271,7 +271,7 @@ async def main_async(args) -> None:
             r, f, overhead, paired, us, ci = await front_overhead(fm, front, stream, n_req, tp_tokens, pairs,
                                                               args.stream_interval)
             kind = "streaming" if stream else "non-streaming"
-            print(f"  CPU per generated token (us), router path | front path: " + "; ".join(
+            print("  CPU per generated token (us), router path | front path: " + "; ".join(
                 f"{k} {us['router'][k]:.0f} | {us['front'][k]:.0f}" for k in us["router"]))
             print(f"failure-free throughput, {n_req} concurrent {kind} clients x {tp_tokens} tokens, {pairs} "
                   f"interleaved pairs of rounds: router {r:.0f} tok/s | front {f:.0f} tok/s | overhead "

@@ -53,7 +53,7 @@ async def scenario(run_dir: Path, tiny_model: str) -> dict:
     from tests.test_fleet_recovery import FAST
 
     cluster = CLUSTER
-    head, node_a, node_b = cluster.head_node, *sorted(cluster.worker_nodes, key=lambda n: n.node_id)
+    node_a, node_b = sorted(cluster.worker_nodes, key=lambda n: n.node_id)
     a, b = node_a.node_id, node_b.node_id
     cfg = belayer_cfg(*FAST, "belayer.shadow.num_standby=2", "belayer.shadow.placement=spread",
                       "belayer.shadow.shared_weights=false", "belayer.engines.cpu_step_delay_ms=2",

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from types import SimpleNamespace
 from typing import Optional
 
