@@ -301,13 +301,18 @@ async def test_an_engine_that_dies_within_a_window_is_seen_at_once_and_every_chu
 
 
 class _Sequence:
-    """A selector that hands out the given URLs in order (one per attempt)."""
+    """A selector that hands out the given URLs in order (one per attempt), recording what it was told to
+    exclude; with `honour_exclude`, an excluded URL is not handed out (a fleet with no other engine: the pick
+    fails)."""
 
-    def __init__(self, urls: list[str]):
-        self.urls, self.failures = list(urls), []
+    def __init__(self, urls: list[str], honour_exclude: bool = False):
+        self.urls, self.failures, self.excludes, self.honour = list(urls), [], [], honour_exclude
 
     async def pick(self, exclude, timeout):
         from belayer_plugin.generation.resumable import Target
+        self.excludes.append(set(exclude))
+        if self.honour and self.urls[0] in exclude:
+            raise RuntimeError(f"no serving engine outside {sorted(exclude)}")
         url = self.urls.pop(0)
         return Target(url, url)
 
@@ -359,3 +364,82 @@ async def test_only_an_engine_that_took_the_request_and_died_without_a_token_is_
                 _, resp = await gen.generate("r", [1, 2], {"max_new_tokens": 5, "temperature": 0.0})
                 assert resp["output_ids"] == list(range(5))
     assert len(sel.failures) == 2  # either way both engines were reported to the fleet
+
+
+async def _serve_ids(n: int):
+    chunks = _cumulative(n)
+
+    async def serve(_, writer):
+        writer.write(HEAD + _chunked(b"".join(b"data: " + c + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"))
+        await writer.drain()
+
+    return await _raw_server(serve)
+
+
+async def test_refused_connections_spend_no_attempt_and_the_refusing_engines_stay_excluded():
+    """CI saw an innocent request fail 'after 4 attempts', all of them refused connections to engines a poison
+    request had just killed and the fleet had not yet marked: it bounced between them in milliseconds. A refusal
+    spends no attempt, and the URL stays excluded until an attempt is delivered."""
+    from belayer_plugin.generation.resumable import ResumableGenerator
+    from tests.conftest import belayer_cfg
+
+    good, good_url, conns = await _serve_ids(5)
+    dead = [_closed_port_url() for _ in range(5)]
+    sel = _Sequence(dead + [good_url])
+    gen = ResumableGenerator(sel, belayer_cfg("belayer.recovery.max_attempts=2").recovery)
+    async with good:
+        async with asyncio.timeout(20):
+            _, resp = await gen.generate("r", [1, 2], {"max_new_tokens": 5, "temperature": 0.0})
+    assert resp["output_ids"] == list(range(5)) and len(conns) == 1
+    assert len(sel.failures) == 5  # each dead engine still reported to the fleet
+    assert [len(x) for x in sel.excludes] == [0, 1, 2, 3, 4, 5]
+    assert sel.excludes[-1] == set(dead)
+
+
+async def test_a_request_refused_everywhere_fails_bounded_with_a_503():
+    from belayer_plugin.generation.resumable import RequestFailedError, ResumableGenerator
+    from tests.conftest import belayer_cfg
+
+    sel = _Sequence([_closed_port_url() for _ in range(100)])
+    gen = ResumableGenerator(sel, belayer_cfg("belayer.recovery.max_attempts=2").recovery)
+    with pytest.raises(RequestFailedError) as ei:
+        async with asyncio.timeout(20):
+            await gen.generate("r", [1, 2], {"max_new_tokens": 5, "temperature": 0.0})
+    assert ei.value.status == 503 and "refused by 8 engine(s)" in str(ei.value)
+    assert len(sel.failures) == 8
+
+
+async def test_an_engine_back_at_a_refused_url_is_picked_again_when_nothing_else_serves():
+    """Ports are chosen afresh per start, but a replacement may get a refused URL back: when excluding the
+    refused URLs leaves nothing to pick, the request asks once more without them instead of failing."""
+    from belayer_plugin.generation.resumable import ResumableGenerator
+    from tests.conftest import belayer_cfg
+
+    url = _closed_port_url()
+    chunks = _cumulative(5)
+
+    async def serve(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int([ln for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")][0].split(b":")[1])
+        await reader.readexactly(length)
+        writer.write(HEAD + _chunked(b"".join(b"data: " + c + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"))
+        await writer.drain()
+        writer.close()
+
+    class _Back(_Sequence):
+        async def failed(self, target, reason):
+            await super().failed(target, reason)
+            # the engine comes back at the same port once its death is reported
+            self.server = await asyncio.start_server(serve, "127.0.0.1", int(url.rsplit(":", 1)[1]))
+
+    sel = _Back([url, url, url], honour_exclude=True)
+    gen = ResumableGenerator(sel, belayer_cfg("belayer.recovery.max_attempts=2").recovery)
+    try:
+        async with asyncio.timeout(20):
+            _, resp = await gen.generate("r", [1, 2], {"max_new_tokens": 5, "temperature": 0.0})
+    finally:
+        if hasattr(sel, "server"):
+            sel.server.close()
+            await sel.server.wait_closed()
+    assert resp["output_ids"] == list(range(5))
+    assert sel.excludes == [set(), {url}, set()]

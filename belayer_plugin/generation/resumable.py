@@ -252,6 +252,12 @@ class ResumableGenerator:
                    on_chunk: Optional[ChunkFn] = None) -> None:
         exclude: set[str] = set()
         failures = 0
+        # Engines that refused the connection (already dead, e.g. killed by another request a moment ago) since
+        # this request's last delivered attempt. They stay excluded and spend no attempt: otherwise a request
+        # bounces between dead engines the fleet has not yet marked and burns max_attempts in milliseconds
+        # (CI: an innocent request failed that way beside a poison request). Bounded on their own.
+        refused: set[str] = set()
+        n_refused = 0
         refusals = resume_refusals(sp, can_check_stop=self._tokenizer is not None)
         no_progress: list[Target] = []  # engines that failed before giving this request a token
         while True:
@@ -259,8 +265,11 @@ class ResumableGenerator:
                 log.finish_reason = {"type": "length", "length": log.max_new_tokens}
                 return
             try:
-                target = await self.selector.pick(exclude, self.cfg.stall_timeout_s)
+                target = await self.selector.pick(exclude | refused, self.cfg.stall_timeout_s)
             except Exception as e:
+                if refused:  # a replacement may have come back at a refused URL: once more without them
+                    refused.clear()
+                    continue
                 raise RequestFailedError(log.rid, f"no healthy engine: {e}", log, status=503) from e
             seed = sp.get("seed", sp.get("sampling_seed"))
             # A resumed sampled segment continues the fault-free run's randomness (resume_policy.segment_seed).
@@ -300,16 +309,26 @@ class ResumableGenerator:
                 if not e.retriable:
                     raise RequestFailedError(log.rid, f"rejected by {target.url}: {e.reason}", log,
                                              status=e.status or 400) from e
-                failures += 1
-                exclude = {target.url}
                 await self.selector.failed(target, e.reason[:200])
+                if not e.delivered:
+                    n_refused += 1
+                    refused.add(target.url)
+                    self.events.emit("recovery", log.rid, "request_refused_by_engine", e.reason[:200],
+                                     level="warning", engine=target.engine, committed=log.committed,
+                                     refused=n_refused)
+                    if n_refused >= _MAX_REFUSALS_PER_ATTEMPT * self.cfg.max_attempts:
+                        raise RequestFailedError(log.rid, f"refused by {n_refused} engine(s); last: "
+                                                          f"{e.reason[:200]}", log, status=503) from e
+                    continue
+                failures += 1
+                exclude, refused = {target.url}, set()
                 self.events.emit("recovery", log.rid, "request_failed_on_engine", e.reason[:200], level="warning",
                                  engine=target.engine, committed=log.committed, attempt=failures)
-                if (seg.end == seg.start and self.cfg.mode == "stream" and e.delivered
+                if (seg.end == seg.start and self.cfg.mode == "stream"
                         and not e.reason.startswith(_ABORTED)):
                     # Stream mode commits every token, so "no token" means it died on this request's prefill
                     # or first step. (Chunked mode commits per chunk: any mid-chunk kill would look alike, so
-                    # there max_attempts alone bounds a poison request.) A refused connection is not counted:
+                    # there max_attempts alone bounds a poison request.) Refused connections never get here:
                     # the engine was already dead, as when a request lands on a slot another request just
                     # killed (CI saw an innocent request quarantined that way).
                     no_progress.append(target)
@@ -527,6 +546,9 @@ def _load_tokenizer(path: str) -> Any:
 
 
 _ABORTED = "aborted by the engine"  # a pause or shutdown dropped the request: not an engine death
+# Refused connections a request may meet per allowed attempt before it fails (each refused URL once until a
+# replacement is picked; a selector that cannot exclude, e.g. a static list of dead URLs, stops here).
+_MAX_REFUSALS_PER_ATTEMPT = 4
 
 
 def _checked(fr: dict, seg: Segment) -> dict:
