@@ -32,8 +32,9 @@ def _chunked(body: bytes, piece: int = 37, end: bool = True) -> bytes:
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
-async def _raw_server(script):
-    """A TCP server that runs `script(reader, writer)` per connection; returns (server, url, connections)."""
+async def _raw_server(script, port: int = 0):
+    """A TCP server (on `port`, 0: any) that runs `script(reader, writer)` per connection; returns (server, url,
+    connections)."""
     conns: list[asyncio.StreamReader] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -48,7 +49,7 @@ async def _raw_server(script):
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
     port = server.sockets[0].getsockname()[1]
     return server, f"http://127.0.0.1:{port}", conns
 
@@ -323,6 +324,17 @@ class _Sequence:
         self.failures.append(reason)
 
 
+async def _serve_ids(n: int, port: int = 0):
+    """An engine that streams ids 0..n-1 as cumulative chunks and finishes."""
+    chunks = _cumulative(n)
+
+    async def serve(_, writer):
+        writer.write(HEAD + _chunked(b"".join(b"data: " + c + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"))
+        await writer.drain()
+
+    return await _raw_server(serve, port)
+
+
 def _closed_port_url() -> str:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -338,17 +350,11 @@ async def test_only_an_engine_that_took_the_request_and_died_without_a_token_is_
     from belayer_plugin.generation.resumable import RequestPoisonedError, ResumableGenerator
     from tests.conftest import belayer_cfg
 
-    chunks = _cumulative(5)
-
-    async def serve(_, writer):
-        writer.write(HEAD + _chunked(b"".join(b"data: " + c + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"))
-        await writer.drain()
-
     async def take_and_die(_, writer):
         writer.write(HEAD)
         await writer.drain()  # the request was read; the engine dies before its first token
 
-    good, good_url, _ = await _raw_server(serve)
+    good, good_url, _ = await _serve_ids(5)
     bad, bad_url, bad_conns = await _raw_server(take_and_die)
     recovery = belayer_cfg("belayer.recovery.poison_max_deaths=2", "belayer.recovery.max_attempts=4").recovery
     first = [bad_url, bad_url] if delivered else [_closed_port_url(), _closed_port_url()]
@@ -364,16 +370,6 @@ async def test_only_an_engine_that_took_the_request_and_died_without_a_token_is_
                 _, resp = await gen.generate("r", [1, 2], {"max_new_tokens": 5, "temperature": 0.0})
                 assert resp["output_ids"] == list(range(5))
     assert len(sel.failures) == 2  # either way both engines were reported to the fleet
-
-
-async def _serve_ids(n: int):
-    chunks = _cumulative(n)
-
-    async def serve(_, writer):
-        writer.write(HEAD + _chunked(b"".join(b"data: " + c + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"))
-        await writer.drain()
-
-    return await _raw_server(serve)
 
 
 async def test_refused_connections_spend_no_attempt_and_the_refusing_engines_stay_excluded():
@@ -416,21 +412,12 @@ async def test_an_engine_back_at_a_refused_url_is_picked_again_when_nothing_else
     from tests.conftest import belayer_cfg
 
     url = _closed_port_url()
-    chunks = _cumulative(5)
-
-    async def serve(reader, writer):
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int([ln for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")][0].split(b":")[1])
-        await reader.readexactly(length)
-        writer.write(HEAD + _chunked(b"".join(b"data: " + c + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"))
-        await writer.drain()
-        writer.close()
 
     class _Back(_Sequence):
         async def failed(self, target, reason):
             await super().failed(target, reason)
             # the engine comes back at the same port once its death is reported
-            self.server = await asyncio.start_server(serve, "127.0.0.1", int(url.rsplit(":", 1)[1]))
+            self.server, _, _ = await _serve_ids(5, int(url.rsplit(":", 1)[1]))
 
     sel = _Back([url, url, url], honour_exclude=True)
     gen = ResumableGenerator(sel, belayer_cfg("belayer.recovery.max_attempts=2").recovery)

@@ -36,7 +36,7 @@ CRIU_DIR = "criu"
 CKPT_ID = "belayer"  # docker wants checkpoint ids of >= 2 characters
 RESTORE_NONCE = "belayer-restore-nonce"
 CHECKPOINT_COLLISION_RETRIES = 2  # checkpoints retried when containerd reports their digest already stored
-COLLISION_WAIT_S = 1.1  # past the whole second the stored tarball's mtimes are rounded to
+COLLISION_WAIT_S = 1.1  # over a second: a dump taken then carries other mtimes
 
 
 def _content_collision(e: Exception) -> bool:
