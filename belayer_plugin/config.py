@@ -223,11 +223,15 @@ class ShadowConfig:
     shared_weights: bool = _req()  # CPU engine: map weights from a shared-memory holder
     fault_window_s: float = _req()  # deaths of different slots on one node this close together are node evidence
     standby_nice: int = _req()  # a parked standby runs this much nicer (its refits yield the CPU); 0 at handover
+    freeze_parked: bool = _req()  # a parked standby's Ray actor is SIGSTOPped between its refits (driver's node)
+    freeze_breath_s: float = _req()  # a stopped standby is woken this often for one Ray call (gRPC keepalive)
 
     def problems(self) -> list[str]:
         out = []
         if not 0 <= self.standby_nice <= 19:
             out.append("standby_nice: must be in 0..19")
+        if self.freeze_breath_s <= 0:
+            out.append("freeze_breath_s: must be > 0")
         if self.num_standby < 0:
             out.append("num_standby: must be >= 0")
         if self.handover_timeout_s <= 0:

@@ -75,7 +75,8 @@ async def test_stale_shadow_is_brought_to_the_current_version_before_it_is_regis
     async with fleet(tmp_path, tiny_model, "belayer.shadow.keep_warm=on_handover") as fm:
         await fm.refit(tiny_model, "v1")
         sh = fm.shadows.ready[0]
-        assert await sh.actor.weight_version.remote() == "default"  # on_handover: left behind at refit
+        async with fm.shadows.awake(sh):  # parked, its actor is stopped (shadow.freeze_parked)
+            assert await sh.actor.weight_version.remote() == "default"  # on_handover: left behind at refit
         t0 = time.time()
         os.kill(fm.slots["engine-1"].info.pid, signal.SIGKILL)
         reg = await fm.events.wait_for(ev("registered", "engine-1"), 20, since=t0)
@@ -106,7 +107,8 @@ async def test_keep_warm_refit_updates_standbys_off_the_refit_barrier_and_a_hand
             os.kill(sh.info.pid, signal.SIGCONT)
         done = await fm.events.wait_for(lambda e: e.kind == "shadow_refit", 30, since=t0)
         assert done.figures["version"] == "v7" and done.subject == sh.sid
-        assert [await s.actor.weight_version.remote() for s in fm.shadows.ready] == ["v7"]
+        async with fm.shadows.awake(sh):
+            assert [await s.actor.weight_version.remote() for s in fm.shadows.ready] == ["v7"]
         # Two refits back to back, then at once a death: the standby takes the slot at the newest version,
         # its own refits having finished in order (never two updates of it at once).
         t1 = time.time()
@@ -122,15 +124,73 @@ async def test_keep_warm_refit_updates_standbys_off_the_refit_barrier_and_a_hand
         assert not fm.events.find(lambda e: e.t >= t1 and e.kind in ("handover_failed", "shadow_lost"))
 
 
+def proc_state(pid: int) -> str:
+    """The kernel's one-letter state of a process (T: stopped by a signal)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
 async def test_a_dead_standby_is_replaced_in_the_background(tmp_path, tiny_model):
     async with fleet(tmp_path, tiny_model) as fm:
+        # Its server killed while its actor is stopped (nothing in the actor can see it): the pool's own
+        # pidfd watch reports it at once, not the next refit or handover.
         sh = fm.shadows.ready[0]
+        assert sh.frozen and proc_state(sh.info.actor_pid) == "T"
         t0 = time.time()
         os.kill(sh.info.pid, signal.SIGKILL)
-        await fm.events.wait_for(ev("shadow_lost", sh.sid), 10, since=t0)
-        await fm.events.wait_for(lambda e: e.kind == "shadow_ready" and e.subject != sh.sid, 60, since=t0)
+        lost = await fm.events.wait_for(ev("shadow_lost", sh.sid), 10, since=t0)
+        assert lost.t - t0 < 2.0 and "seen by the pool" in lost.reason, lost.reason
+        ready_ev = await fm.events.wait_for(lambda e: e.kind == "shadow_ready" and e.subject != sh.sid, 60, since=t0)
         ready = [s.sid for s in fm.shadows.ready]
         assert len(ready) == fm.cfg.shadow.num_standby and sh.sid not in ready  # replaced, not just gone
+        # The stopped actor itself killed: Ray reports its death (the raylet sees its socket close).
+        sh2 = fm.shadows.ready[0]
+        assert sh2.sid == ready_ev.subject and sh2.frozen and proc_state(sh2.info.actor_pid) == "T"
+        t1 = time.time()
+        os.kill(sh2.info.actor_pid, signal.SIGKILL)
+        lost2 = await fm.events.wait_for(ev("shadow_lost", sh2.sid), 10, since=t1)
+        assert "actor died" in lost2.reason or "exited" in lost2.reason, lost2.reason
+        await fm.events.wait_for(lambda e: e.kind == "shadow_ready" and e.subject not in (sh.sid, sh2.sid), 60,
+                                 since=t1)
+        assert len(fm.shadows.ready) == fm.cfg.shadow.num_standby
+
+
+async def test_a_parked_standbys_actor_is_stopped_between_refits_and_runs_for_good_at_handover(tmp_path, tiny_model):
+    async with fleet(tmp_path, tiny_model) as fm:
+        sh = fm.shadows.ready[0]
+        # Stopped: its Ray actor spends nothing while it stands by (an idle Ray actor costs ~5-9 ms/s).
+        assert sh.frozen and proc_state(sh.info.actor_pid) == "T"
+        ticks = cpu_ticks(sh.info.actor_pid)
+        await asyncio.sleep(1.0)  # a span to measure over, not a synchronisation
+        assert cpu_ticks(sh.info.actor_pid) == ticks
+        # Woken for each refit (a stopped actor could not answer it), stopped again after.
+        t0 = time.time()
+        await fm.refit(tiny_model, "v2")
+        done = await fm.events.wait_for(lambda e: e.kind == "shadow_refit", 30, since=t0)
+        assert done.figures["version"] == "v2" and sh.version == "v2"
+        assert sh.frozen and proc_state(sh.info.actor_pid) == "T"
+        # At handover it runs for good and serves at the current version, as fast as an awake standby.
+        t1 = time.time()
+        os.kill(fm.slots["engine-1"].info.pid, signal.SIGKILL)
+        ho = await fm.events.wait_for(ev("handover", "engine-1"), 20, since=t1)
+        assert ho.figures["took_s"] <= 1.0 and ho.figures["version"] == "v2"
+        assert fm.slots["engine-1"].info.url == sh.info.url and not sh.frozen
+        assert proc_state(sh.info.actor_pid) != "T"
+        assert await asyncio.wait_for(sh.actor.weight_version.remote(), 10) == "v2"
+        async with httpx.AsyncClient() as c:
+            out = await generate(c, sh.info.url, {"input_ids": PROMPTS[0], "sampling_params": GREEDY}, 60)
+        assert len(out["output_ids"]) == N
+
+
+async def test_standbys_stay_awake_when_freezing_is_off(tmp_path, tiny_model):
+    async with fleet(tmp_path, tiny_model, "belayer.shadow.freeze_parked=false") as fm:
+        sh = fm.shadows.ready[0]
+        assert not sh.frozen and proc_state(sh.info.actor_pid) != "T"
+        assert await asyncio.wait_for(sh.actor.ping.remote(), 10) == sh.sid
 
 
 async def test_cpu_engines_map_one_shared_memory_copy_of_the_weights(tmp_path, tiny_model):

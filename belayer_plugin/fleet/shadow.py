@@ -4,11 +4,24 @@ Standbys are never registered with the router while standing by. They are kept a
 version (updated at each refit, or brought up to date at handover: `shadow.keep_warm`), and on SGLang with
 `release_memory_when_idle` they hold no GPU memory until handover (unverified on this CPU machine). A
 standby that dies is replaced in the background under its own restart budget.
+
+With `shadow.freeze_parked`, a parked standby on the fleet's own Ray node has its Ray actor process stopped
+(SIGSTOP) whenever nothing is asked of it: an idle Ray actor is not idle (Ray's core worker runs a fixed 10 ms
+signal-check timer, ~5-9 ms of CPU per second), and that was most of what a standby cost a training step. It is
+woken (SIGCONT) for each of its refits and for good at handover. While it is stopped its server still runs, but
+nothing in the actor would notice the server's exit, so the pool watches the server itself through a pidfd; the
+stopped actor's own death is still reported by Ray (the raylet sees its socket close). A stopped process cannot
+answer gRPC keepalive pings either: Ray's client gives up on an actor whose pings go unanswered (300 s + 120 s by
+default) and fails its pending calls with ActorUnavailableError. So every `shadow.freeze_breath_s` (at most half
+of Ray's keepalive timeout) each stopped standby is woken for one Ray call and stopped again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -32,6 +45,9 @@ class Shadow:
     watcher: Optional[asyncio.Task] = None
     refit_task: Optional[asyncio.Task] = None  # a background refit under way (refit_in_background)
     nice: int = 0  # how much nicer than normal its server runs while parked (shadow.standby_nice)
+    frozen: bool = False  # its actor process is SIGSTOPped (shadow.freeze_parked)
+    holds: int = 0  # callers that need its actor awake (refits): it is frozen again when the last one ends
+    pidfd: Optional[int] = None  # its server's pidfd, watched by the event loop while it can be frozen
 
 
 class ShadowPool:
@@ -48,6 +64,8 @@ class ShadowPool:
         self._placing = asyncio.Lock()
         self._adding = 0  # replacements being started
         self._starting: dict[str, str] = {}  # standby id -> the node it is being placed on
+        self._here: Optional[str] = None  # the Ray node this pool runs on (standbys there can be frozen)
+        self._breather: Optional[asyncio.Task] = None
 
     @property
     def target(self) -> int:
@@ -101,9 +119,103 @@ class ShadowPool:
         sh = Shadow(sid, actor, info, version, released, nice=nice)
         sh.watcher = asyncio.create_task(self._watch(sh), name=f"watch-{sid}")
         self.ready.append(sh)
+        self._park(sh)
         fm.events.emit("shadow", sid, "shadow_ready", f"standing by at {info.url}", version=version,
-                       took_s=round(time.monotonic() - t0, 3), pool=len(self.ready), nice=nice)
+                       took_s=round(time.monotonic() - t0, 3), pool=len(self.ready), nice=nice, frozen=sh.frozen)
         return sh
+
+    # ----------------------------------------------------------------- frozen while parked
+    def _can_freeze(self, sh: Shadow) -> bool:
+        if not self.cfg.freeze_parked or sh.info.actor_pid <= 0:
+            return False
+        if self._here is None:
+            import ray
+
+            self._here = ray.get_runtime_context().get_node_id()
+        # Signals reach only this node's processes (and its pid namespace: one raylet spawns them all).
+        return sh.info.node_id == self._here
+
+    def _park(self, sh: Shadow) -> None:
+        """Stops the standby's actor process if nothing needs it awake and its server can be watched here."""
+        if sh.frozen or sh.holds or sh not in self.ready or self._closing or not self._can_freeze(sh):
+            return
+        if sh.pidfd is None:
+            try:
+                sh.pidfd = os.pidfd_open(sh.info.pid)
+            except ProcessLookupError:
+                self._lose(sh, "server exited")
+                return
+            except OSError:  # no pidfd here (kernel < 5.3): stays awake, watched by its actor
+                return
+            asyncio.get_running_loop().add_reader(sh.pidfd, self._server_exited, sh)
+        try:
+            os.kill(sh.info.actor_pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return  # the actor is gone: Ray reports it to the watcher
+        sh.frozen = True
+        if self._breather is None:
+            # Not among self._tasks: those are replacements and refits, which callers may wait for.
+            self._breather = asyncio.create_task(self._breathe(), name="shadow-breathe")
+
+    def breath_s(self) -> float:
+        """How often a stopped standby is woken for one call: `freeze_breath_s`, and at most half of Ray's
+        gRPC keepalive timeout in this process (a ping must find the actor running within that timeout)."""
+        try:
+            from ray._raylet import Config
+
+            keepalive_s = Config.grpc_client_keepalive_timeout_ms() / 1000.0
+        except Exception:  # not the Ray this was written against: keep the configured interval
+            keepalive_s = float("inf")
+        return max(0.05, min(self.cfg.freeze_breath_s, keepalive_s / 2))
+
+    async def _breathe(self) -> None:
+        every = self.breath_s()
+        while not self._closing:
+            await asyncio.sleep(every)  # a duty cycle, not a wait for anything
+            for sh in [s for s in self.ready if s.frozen]:
+                try:
+                    async with self.awake(sh):
+                        # One call through the driver's channel: it acknowledges any keepalive ping queued
+                        # while the actor was stopped. Its death is the watcher's business, a slow answer
+                        # the handover's (bounded by handover_timeout_s).
+                        await asyncio.wait_for(sh.actor.ping.remote(), self.cfg.handover_timeout_s)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    self.fleet.events.emit("shadow", sh.sid, "shadow_breath_failed", f"{type(e).__name__}: {e}"[:300],
+                                           level="warning")
+
+    def _wake(self, sh: Shadow) -> None:
+        """Lets the standby's actor run again (at once: SIGCONT needs no answer)."""
+        if sh.frozen:
+            sh.frozen = False
+            try:
+                os.kill(sh.info.actor_pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def _unwatch_server(self, sh: Shadow) -> None:
+        if sh.pidfd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(sh.pidfd)
+            os.close(sh.pidfd)
+            sh.pidfd = None
+
+    def _server_exited(self, sh: Shadow) -> None:
+        # The actor may be stopped and cannot see this itself; its own watcher reports it once woken too,
+        # and whichever comes first removes the standby (the other finds it gone).
+        self._lose(sh, "server exited (seen by the pool while parked)")
+
+    @contextlib.asynccontextmanager
+    async def awake(self, sh: Shadow):
+        """Keeps the standby's actor running for the calls made inside; parks it again after the last one."""
+        sh.holds += 1
+        self._wake(sh)
+        try:
+            yield sh
+        finally:
+            sh.holds -= 1
+            self._park(sh)
 
     async def _update(self, actor: Any, weights: Any) -> str:
         path = weights.path or self.fleet.engine_model_path
@@ -127,15 +239,24 @@ class ShadowPool:
 
             if isinstance(e, ray.exceptions.ActorUnavailableError):
                 self.fleet.check_node(sh.info.node_id)  # unreachable: maybe its node is gone
-        if sh in self.ready:
-            self.fleet.note_death(sh.info.node_id, sh.sid, 0)
-            # As for engines: any standby death asks Ray (bounded) whether its node is gone; a lost node's
-            # actors can also surface as ActorDiedError, never as ActorUnavailableError.
-            self.fleet.check_node(sh.info.node_id)
-            self.ready.remove(sh)
-            self._kill(sh.actor)
-            self.fleet.events.emit("shadow", sh.sid, "shadow_lost", reason, level="warning", pool=len(self.ready))
-            self.replenish(failed=True)
+        self._lose(sh, reason)
+
+    def _lose(self, sh: Shadow, reason: str) -> None:
+        """A standby died: it leaves the pool and a replacement is started (under the pool's budget)."""
+        self._unwatch_server(sh)
+        if sh not in self.ready:
+            return
+        if sh.watcher is not None and sh.watcher is not asyncio.current_task():
+            sh.watcher.cancel()
+        self.fleet.note_death(sh.info.node_id, sh.sid, 0)
+        # As for engines: any standby death asks Ray (bounded) whether its node is gone; a lost node's
+        # actors can also surface as ActorDiedError, never as ActorUnavailableError.
+        self.fleet.check_node(sh.info.node_id)
+        self.ready.remove(sh)
+        self._wake(sh)  # a stopped actor would only be killed by Ray's grace timeout (~5 s), not at once
+        self._kill(sh.actor)
+        self.fleet.events.emit("shadow", sh.sid, "shadow_lost", reason, level="warning", pool=len(self.ready))
+        self.replenish(failed=True)
 
     def take(self) -> Optional[Shadow]:
         """Removes and returns a standby for handover (None when the pool is empty)."""
@@ -143,6 +264,8 @@ class ShadowPool:
             sh = self.ready.pop(0)
             if sh.watcher is not None:
                 sh.watcher.cancel()
+            self._unwatch_server(sh)
+            self._wake(sh)  # for good: it serves from now on (or is killed below)
             if sh.info.node_id not in self.fleet.excluded_nodes:
                 return sh
             self._kill(sh.actor)  # on an excluded node: replaced elsewhere
@@ -212,11 +335,13 @@ class ShadowPool:
             return  # taken for a handover meanwhile: the handover brings it to the current version
         t0 = time.monotonic()
         try:
-            if sh.memory_released:
-                await sh.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
-            sh.version = await self._update(sh.actor, weights)
-            if sh.memory_released:
-                await sh.actor.call.remote("POST", "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+            async with self.awake(sh):
+                if sh.memory_released:
+                    await sh.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
+                sh.version = await self._update(sh.actor, weights)
+                if sh.memory_released:
+                    await sh.actor.call.remote("POST", "/release_memory_occupation",
+                                               {"tags": ["weights", "kv_cache"]})
             self.fleet.events.emit("shadow", sh.sid, "shadow_refit", f"at {sh.version}", version=sh.version,
                                    took_s=round(time.monotonic() - t0, 4))
         except Exception as e:
@@ -224,6 +349,8 @@ class ShadowPool:
                 self.ready.remove(sh)
                 if sh.watcher is not None:
                     sh.watcher.cancel()
+                self._unwatch_server(sh)
+                self._wake(sh)  # parked again as the refit ended
                 self._kill(sh.actor)
                 self.fleet.events.emit("shadow", sh.sid, "shadow_lost", f"refit failed: {e}"[:300],
                                        level="warning")
@@ -240,11 +367,13 @@ class ShadowPool:
 
     async def shutdown(self) -> None:
         self._closing = True
-        for t in list(self._tasks):
+        for t in [*self._tasks, *([self._breather] if self._breather else [])]:
             t.cancel()
         for sh in self.ready:
             if sh.watcher is not None:
                 sh.watcher.cancel()
+            self._unwatch_server(sh)
+            self._wake(sh)
             try:
                 await asyncio.wait_for(sh.actor.stop.remote(), self.fleet.cfg.engines.shutdown_timeout_s * 2)
             except Exception:
