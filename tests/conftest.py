@@ -84,6 +84,21 @@ def start_cpu_server(tiny_model, tmp_path):
         s.kill()
 
 
+def run_scenario_script(script: str, run_dir: Path, tag: str, timeout: float, **env: str) -> dict:
+    """Runs a test file as a script in its own process (its own Ray driver: the session's cluster stays
+    untouched), fails with its output's tail if it fails, and returns the JSON it printed after `tag`."""
+    import json
+
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    full_env.pop("RAY_ADDRESS", None)
+    p = subprocess.run([sys.executable, script, str(run_dir)], cwd=ROOT, env=full_env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    fig = json.loads(next(line for line in p.stdout.splitlines() if line.startswith(f"{tag} "))[len(tag) + 1:])
+    print(tag, json.dumps(fig))
+    return fig
+
+
 def belayer_cfg(*overrides: str):
     """The default recipe's typed config with Hydra overrides."""
     from belayer_plugin.config import load_belayer_config

@@ -12,13 +12,14 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_scenario_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[54, 280, 487, 423, 442], [60, 61, 62], [100, 200, 300, 400]]
@@ -27,13 +28,7 @@ GREEDY = {"max_new_tokens": 120, "temperature": 0.0, "ignore_eos": True}
 
 @pytest.mark.timeout(900)
 def test_a_node_lost_under_load_is_excluded_its_slots_move_and_no_request_is_lost(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    p = subprocess.run([sys.executable, __file__, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=900)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-6000:]
-    fig = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("MULTINODE "))[10:])
-    print("MULTINODE", json.dumps(fig))
+    fig = run_scenario_script(__file__, tmp_path, "MULTINODE", 900, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     assert fig["requests"] > 0 and fig["lost"] == 0
     assert fig["ray_dead_reason"].startswith("Ray reports node") and fig["ray_dead_requests"] == len(PROMPTS)
 

@@ -13,12 +13,13 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_scenario_script
 
 ROOT = Path(__file__).resolve().parents[1]
 KEEPALIVE = {"RAY_grpc_client_keepalive_time_ms": "1000", "RAY_grpc_client_keepalive_timeout_ms": "1000"}
@@ -26,14 +27,7 @@ KEEPALIVE = {"RAY_grpc_client_keepalive_time_ms": "1000", "RAY_grpc_client_keepa
 
 @pytest.mark.timeout(600)
 def test_a_stopped_standby_is_woken_often_enough_for_rays_keepalive_and_is_not_lost(tmp_path):
-    env = {**os.environ, **KEEPALIVE, "PYTHONPATH": str(ROOT)}
-    env.pop("RAY_ADDRESS", None)
-    p = subprocess.run([sys.executable, __file__, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=540)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, out[-6000:]
-    fig = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("BREATH "))[7:])
-    print("BREATH", json.dumps(fig))
+    fig = run_scenario_script(__file__, tmp_path, "BREATH", 540, **KEEPALIVE)
     # The control: the hazard is real here (else the second half would prove nothing).
     assert "ActorUnavailableError" in fig["control_lost_reason"], fig
     # With the breath: never lost, and it still takes over a dead engine's slot.
