@@ -129,6 +129,16 @@ def proc_state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+async def stopped_state(pid: int, timeout: float = 10.0) -> str:
+    """The process's state once it shows as stopped, or the last state seen within `timeout`. A SIGSTOP is
+    acted on when the process next runs, which on loaded cores can be a while after the signal was sent;
+    nothing announces it to a non-parent, so /proc is read every 20 ms until the deadline."""
+    deadline = time.monotonic() + timeout
+    while (state := proc_state(pid)) != "T" and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return state
+
+
 def cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
@@ -139,7 +149,7 @@ async def test_a_dead_standby_is_replaced_in_the_background(tmp_path, tiny_model
         # Its server killed while its actor is stopped (nothing in the actor can see it): the pool's own
         # pidfd watch reports it at once, not the next refit or handover.
         sh = fm.shadows.ready[0]
-        assert sh.frozen and proc_state(sh.info.actor_pid) == "T"
+        assert sh.frozen and await stopped_state(sh.info.actor_pid) == "T"
         t0 = time.time()
         os.kill(sh.info.pid, signal.SIGKILL)
         lost = await fm.events.wait_for(ev("shadow_lost", sh.sid), 10, since=t0)
@@ -149,7 +159,7 @@ async def test_a_dead_standby_is_replaced_in_the_background(tmp_path, tiny_model
         assert len(ready) == fm.cfg.shadow.num_standby and sh.sid not in ready  # replaced, not just gone
         # The stopped actor itself killed: Ray reports its death (the raylet sees its socket close).
         sh2 = fm.shadows.ready[0]
-        assert sh2.sid == ready_ev.subject and sh2.frozen and proc_state(sh2.info.actor_pid) == "T"
+        assert sh2.sid == ready_ev.subject and sh2.frozen and await stopped_state(sh2.info.actor_pid) == "T"
         t1 = time.time()
         os.kill(sh2.info.actor_pid, signal.SIGKILL)
         lost2 = await fm.events.wait_for(ev("shadow_lost", sh2.sid), 10, since=t1)
@@ -163,7 +173,7 @@ async def test_a_parked_standbys_actor_is_stopped_between_refits_and_runs_for_go
     async with fleet(tmp_path, tiny_model) as fm:
         sh = fm.shadows.ready[0]
         # Stopped: its Ray actor spends nothing while it stands by (an idle Ray actor costs ~5-9 ms/s).
-        assert sh.frozen and proc_state(sh.info.actor_pid) == "T"
+        assert sh.frozen and await stopped_state(sh.info.actor_pid) == "T"
         ticks = cpu_ticks(sh.info.actor_pid)
         await asyncio.sleep(1.0)  # a span to measure over, not a synchronisation
         assert cpu_ticks(sh.info.actor_pid) == ticks
@@ -172,7 +182,7 @@ async def test_a_parked_standbys_actor_is_stopped_between_refits_and_runs_for_go
         await fm.refit(tiny_model, "v2")
         done = await fm.events.wait_for(lambda e: e.kind == "shadow_refit", 30, since=t0)
         assert done.figures["version"] == "v2" and sh.version == "v2"
-        assert sh.frozen and proc_state(sh.info.actor_pid) == "T"
+        assert sh.frozen and await stopped_state(sh.info.actor_pid) == "T"
         # At handover it runs for good and serves at the current version, as fast as an awake standby.
         t1 = time.time()
         os.kill(fm.slots["engine-1"].info.pid, signal.SIGKILL)
