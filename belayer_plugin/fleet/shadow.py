@@ -120,6 +120,8 @@ class ShadowPool:
         sh.watcher = asyncio.create_task(self._watch(sh), name=f"watch-{sid}")
         self.ready.append(sh)
         self._park(sh)
+        if sh not in self.ready:
+            return sh  # its server was already gone: lost (and replaced, budget spent) by _park
         fm.events.emit("shadow", sid, "shadow_ready", f"standing by at {info.url}", version=version,
                        took_s=round(time.monotonic() - t0, 3), pool=len(self.ready), nice=nice, frozen=sh.frozen)
         return sh
