@@ -55,6 +55,15 @@ def _live_container_ids() -> set[str]:
     return ids
 
 
+def restored_state(ck, backend, store: CheckpointStore) -> str:
+    """The scripted daemon's state in a fresh container restored from `ck` (closed again after the query)."""
+    sb = full_restore(ck, backend, store)
+    try:
+        return query_state(sb)
+    finally:
+        sb.close()
+
+
 def _criu_pids(container_id: str) -> set[int]:
     """Live CRIU processes working for this container (found through their parents' command lines)."""
     out = set()
@@ -142,11 +151,7 @@ def test_restore_continues_in_memory_state_in_fresh_container_and_drops_later_fi
         assert query_state(restored) == golden_state(3)
         # a chain: checkpoint the restored container and restore again
         ck2 = full_checkpoint(restored, 3, store, "traj", mode="full")
-        again = full_restore(ck2, backend, store)
-        try:
-            assert query_state(again) == golden_state(3)
-        finally:
-            again.close()
+        assert restored_state(ck2, backend, store) == golden_state(3)
     finally:
         restored.close()
     assert any(e["kind"] == "restore" and e["processes_restored"] for e in events)
@@ -256,11 +261,7 @@ def test_failed_restore_leaves_nothing_of_the_half_restored_sandbox_running(back
         time.sleep(0.1)  # a killed process leaves /proc asynchronously; bounded by the deadline
     assert not _criu_pids(cid)
     assert [e["kind"] for e in events] == ["restore_failed"] and events[0]["container_id"] == cid
-    good = full_restore(ck, backend, store)  # the intact checkpoint still restores
-    try:
-        assert "mem:" in query_state(good)
-    finally:
-        good.close()
+    assert "mem:" in restored_state(ck, backend, store)  # the intact checkpoint still restores
 
 
 def test_corrupt_checkpoint_is_detected_and_never_restored(backend, sandbox, tmp_path):
@@ -347,10 +348,6 @@ def test_docker_checkpoint_refused_as_already_stored_is_taken_again_and_restores
             return
         ck = full_checkpoint(sb, 1, store, "traj", mode="full")
         assert len(calls) == 2 and ck.mode == "full"
-        restored = full_restore(ck, docker, store)
-        try:
-            assert query_state(restored) == golden_state(1)
-        finally:
-            restored.close()
+        assert restored_state(ck, docker, store) == golden_state(1)
     finally:
         sb.close()

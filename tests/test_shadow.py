@@ -124,9 +124,14 @@ async def test_keep_warm_refit_updates_standbys_off_the_refit_barrier_and_a_hand
         assert not fm.events.find(lambda e: e.t >= t1 and e.kind in ("handover_failed", "shadow_lost"))
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (state first)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def proc_state(pid: int) -> str:
     """The kernel's one-letter state of a process (T: stopped by a signal)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return _stat(pid)[0]
 
 
 async def stopped_state(pid: int, timeout: float = 10.0) -> str:
@@ -140,7 +145,7 @@ async def stopped_state(pid: int, timeout: float = 10.0) -> str:
 
 
 def cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat(pid)
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 

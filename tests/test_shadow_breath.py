@@ -46,6 +46,7 @@ async def scenario(run_dir: Path, tiny_model: str) -> dict:
     from belayer_plugin.fleet.shadow import ShadowPool
     from tests.conftest import belayer_cfg
     from tests.test_fleet_recovery import FAST
+    from tests.test_shadow import proc_state
 
     cfg = belayer_cfg(*FAST, "belayer.shadow.num_standby=1")
     fig: dict = {}
@@ -74,9 +75,8 @@ async def scenario(run_dir: Path, tiny_model: str) -> dict:
         samples = stopped = 0
         while time.time() - t0 < 8.0:  # more than three times the ~2.5 s the control needed
             await asyncio.sleep(0.1)  # sampling the actor's state, not a synchronisation
-            stat = Path(f"/proc/{sh.info.actor_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             samples += 1
-            stopped += stat == "T"
+            stopped += proc_state(sh.info.actor_pid) == "T"
         fig.update(samples=samples, stopped_samples=stopped)
         fig["lost"] = [e.reason for e in fm.events.find(ev("shadow_lost"))]
         fig["breath_failed"] = [e.reason for e in fm.events.find(ev("shadow_breath_failed"))]

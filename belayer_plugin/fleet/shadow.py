@@ -149,7 +149,10 @@ class ShadowPool:
                 return
             except OSError:  # no pidfd here (kernel < 5.3): stays awake, watched by its actor
                 return
-            asyncio.get_running_loop().add_reader(sh.pidfd, self._server_exited, sh)
+            # The stopped actor cannot see its server exit; its own watcher reports it once woken too, and
+            # whichever comes first removes the standby (the other finds it gone).
+            asyncio.get_running_loop().add_reader(sh.pidfd, self._lose, sh,
+                                                  "server exited (seen by the pool while parked)")
         try:
             os.kill(sh.info.actor_pid, signal.SIGSTOP)
         except ProcessLookupError:
@@ -203,11 +206,6 @@ class ShadowPool:
             os.close(sh.pidfd)
             sh.pidfd = None
 
-    def _server_exited(self, sh: Shadow) -> None:
-        # The actor may be stopped and cannot see this itself; its own watcher reports it once woken too,
-        # and whichever comes first removes the standby (the other finds it gone).
-        self._lose(sh, "server exited (seen by the pool while parked)")
-
     @contextlib.asynccontextmanager
     async def awake(self, sh: Shadow):
         """Keeps the standby's actor running for the calls made inside; parks it again after the last one."""
@@ -243,17 +241,19 @@ class ShadowPool:
                 self.fleet.check_node(sh.info.node_id)  # unreachable: maybe its node is gone
         self._lose(sh, reason)
 
-    def _lose(self, sh: Shadow, reason: str) -> None:
-        """A standby died: it leaves the pool and a replacement is started (under the pool's budget)."""
+    def _lose(self, sh: Shadow, reason: str, died: bool = True) -> None:
+        """A standby died (or, died=False, failed its refit): it leaves the pool and a replacement is started
+        (under the pool's budget)."""
         self._unwatch_server(sh)
         if sh not in self.ready:
             return
         if sh.watcher is not None and sh.watcher is not asyncio.current_task():
             sh.watcher.cancel()
-        self.fleet.note_death(sh.info.node_id, sh.sid, 0)
-        # As for engines: any standby death asks Ray (bounded) whether its node is gone; a lost node's
-        # actors can also surface as ActorDiedError, never as ActorUnavailableError.
-        self.fleet.check_node(sh.info.node_id)
+        if died:
+            self.fleet.note_death(sh.info.node_id, sh.sid, 0)
+            # As for engines: any standby death asks Ray (bounded) whether its node is gone; a lost node's
+            # actors can also surface as ActorDiedError, never as ActorUnavailableError.
+            self.fleet.check_node(sh.info.node_id)
         self.ready.remove(sh)
         self._wake(sh)  # a stopped actor would only be killed by Ray's grace timeout (~5 s), not at once
         self._kill(sh.actor)
@@ -347,16 +347,7 @@ class ShadowPool:
             self.fleet.events.emit("shadow", sh.sid, "shadow_refit", f"at {sh.version}", version=sh.version,
                                    took_s=round(time.monotonic() - t0, 4))
         except Exception as e:
-            if sh in self.ready:
-                self.ready.remove(sh)
-                if sh.watcher is not None:
-                    sh.watcher.cancel()
-                self._unwatch_server(sh)
-                self._wake(sh)  # parked again as the refit ended
-                self._kill(sh.actor)
-                self.fleet.events.emit("shadow", sh.sid, "shadow_lost", f"refit failed: {e}"[:300],
-                                       level="warning")
-                self.replenish(failed=True)
+            self._lose(sh, f"refit failed: {e}"[:300], died=False)
 
     @staticmethod
     def _kill(actor: Any) -> None:

@@ -321,32 +321,8 @@ class DockerBackend:
         self.pause(cid)
         try:
             tar_upper(self.upper_dir(cid), staging / ROOTFS_FILE, timeout_s)
-            (staging / CRIU_DIR).mkdir()
             try:
-                for attempt in range(1 + CHECKPOINT_COLLISION_RETRIES):
-                    try:
-                        # Timeouts go with each request: the client is shared by threads (restores run side by
-                        # side).
-                        res = self.api._post_json(self.api._url("/containers/{0}/checkpoints", cid),
-                                                  data={"CheckpointID": CKPT_ID,
-                                                        "CheckpointDir": str(staging / CRIU_DIR), "Exit": False},
-                                                  timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
-                        self.api._raise_for_status(res)
-                        break
-                    except self._errors.APIError as e:
-                        left = timeout_s - (time.monotonic() - t0)
-                        if not _content_collision(e) or attempt == CHECKPOINT_COLLISION_RETRIES or left < 5:
-                            raise
-                        # containerd refused to store the dump because a blob of that digest is already in its
-                        # content store (CI, 2026-12-04: the first checkpoints of three tests in a row, none
-                        # after; the restore-side twin is moby/moby#42900). Which blob collided is not known; a
-                        # dump of the still-frozen container a second later carries new mtimes, and the daemon
-                        # has moved on. The container stays paused, so the retry describes the same instant.
-                        log.warning("docker checkpoint of %s collided in containerd's store, again in %.1f s: %s",
-                                    cid[:12], COLLISION_WAIT_S, e)
-                        shutil.rmtree(staging / CRIU_DIR, ignore_errors=True)
-                        (staging / CRIU_DIR).mkdir()
-                        time.sleep(COLLISION_WAIT_S)  # a backoff for the daemon's clock, not synchronisation
+                self._dump(cid, staging / CRIU_DIR, t0 + timeout_s)
             except self._errors.APIError as e:
                 raise CheckpointError(f"docker checkpoint failed: {e.explanation or e}") from None
             except Exception as e:  # requests' ReadTimeout
@@ -368,6 +344,31 @@ class DockerBackend:
         if len(files) < 2:
             raise CheckpointError("docker checkpoint wrote no CRIU images")
         return files, None
+
+    def _dump(self, cid: str, ckdir: Path, deadline: float) -> None:
+        """Asks dockerd for the paused container's CRIU dump into `ckdir` (made here), by `deadline`."""
+        for attempt in range(1 + CHECKPOINT_COLLISION_RETRIES):
+            ckdir.mkdir()
+            try:
+                # Timeouts go with each request: the client is shared by threads (restores run side by side).
+                res = self.api._post_json(self.api._url("/containers/{0}/checkpoints", cid),
+                                          data={"CheckpointID": CKPT_ID, "CheckpointDir": str(ckdir), "Exit": False},
+                                          timeout=max(1.0, deadline - time.monotonic()))
+                self.api._raise_for_status(res)
+                return
+            except self._errors.APIError as e:
+                if not _content_collision(e) or attempt == CHECKPOINT_COLLISION_RETRIES \
+                        or deadline - time.monotonic() < 5:
+                    raise
+                # containerd refused to store the dump because a blob of that digest is already in its content
+                # store (CI, 2026-12-04: the first checkpoints of three tests in a row, none after; the
+                # restore-side twin is moby/moby#42900). Which blob collided is not known; a dump of the
+                # still-frozen container a second later carries new mtimes, and the daemon has moved on. The
+                # container stays paused, so the retry describes the same instant.
+                log.warning("docker checkpoint of %s collided in containerd's store, again in %.1f s: %s",
+                            cid[:12], COLLISION_WAIT_S, e)
+                shutil.rmtree(ckdir, ignore_errors=True)
+                time.sleep(COLLISION_WAIT_S)  # a backoff for the daemon's clock, not synchronisation
 
     def criu_restore(self, ckdir: Path, spec: SandboxSpec, name: str, timeout_s: float) -> str:
         cid = self.create(spec, name)
