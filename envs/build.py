@@ -6,6 +6,7 @@ import argparse
 import fcntl
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,35 @@ def default_cache_dir() -> Path:
         return Path(os.environ["BELAYER_ENV_CACHE"])
     base = os.environ.get("BELAYER_CACHE_DIR") or os.path.expanduser("~/.cache/belayer")
     return Path(base) / "envs"
+
+
+def _mounts_under(path: Path) -> list[str]:
+    """Mount points at or below `path`, deepest first (from /proc/self/mountinfo)."""
+    base = os.path.realpath(path)
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            # the kernel writes space, tab, newline and backslash as octal escapes (\040 ...)
+            mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            if mp == base or mp.startswith(base + "/"):
+                found.append(mp)
+    return sorted(found, key=len, reverse=True)
+
+
+def _remove_build_dir(work: Path) -> None:
+    """Removes a build directory, first unmounting what a builder left mounted in it.
+
+    debootstrap mounts /proc and /sys (and may bind /dev) inside the target while it runs; a build killed by
+    its timeout leaves them mounted, and rmtree would then walk into the host's /sys or /dev. Anything that
+    will not unmount is left in place, with the directory, and logged.
+    """
+    for mp in _mounts_under(work):
+        subprocess.run(["umount", "-l", mp], capture_output=True, timeout=60)
+    left = _mounts_under(work)
+    if left:
+        log.error("build dir %s kept: still mounted %s", work, left)
+        return
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def rootfs_tarball(name: str, cache_dir: Optional[str | Path] = None, force: bool = False) -> Path:
@@ -48,7 +78,7 @@ def rootfs_tarball(name: str, cache_dir: Optional[str | Path] = None, force: boo
                            check=True, capture_output=True, timeout=1800)
             os.replace(tmp, out)  # atomic: a half-written tarball never carries the final name
         finally:
-            shutil.rmtree(work, ignore_errors=True)
+            _remove_build_dir(work)
         log.info("built env %s rootfs %s (%.1f MB) in %.1fs", name, out, out.stat().st_size / 1e6,
                  time.monotonic() - t0)
         return out

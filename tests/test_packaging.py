@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -12,11 +13,18 @@ ROOT = Path(__file__).resolve().parents[1]
 MAPPED = {"hooks": "belayer_plugin.hooks", "envs": "belayer_plugin.envs", "recipes": "belayer_plugin.recipes"}
 
 
+SKIP = {"tests", "bench", "build"}
+
+
 def _tree_packages() -> set[str]:
+    # os.walk with pruning, not Path.glob("**"): glob descends into .cache/ before any filter runs, and a
+    # sandbox rootfs being built there by a concurrent test has a mounted /proc whose entries vanish mid-walk.
     found = set()
-    for init in ROOT.glob("**/__init__.py"):
-        rel = init.parent.relative_to(ROOT)
-        if rel.parts[0] in (".venv", ".venv-sglang", "tests", "bench", ".cache", "build") or "sglang_standins" in rel.parts:
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        rel = Path(dirpath).relative_to(ROOT)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "sglang_standins"
+                       and not (rel == Path(".") and d in SKIP)]
+        if "__init__.py" not in filenames or rel == Path("."):
             continue
         top = MAPPED.get(rel.parts[0], rel.parts[0])
         found.add(".".join([top, *rel.parts[1:]]))

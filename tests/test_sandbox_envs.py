@@ -6,10 +6,12 @@ import os
 import shutil
 import tarfile
 
+import subprocess
+
 import pytest
 
-from belayer_plugin.envs.build import main, rootfs_tarball
-from belayer_plugin.envs.definitions import ENVS, get_env
+from belayer_plugin.envs.build import _mounts_under, main, rootfs_tarball
+from belayer_plugin.envs.definitions import ENVS, EnvDefinition, get_env
 
 
 def test_build_command_lists_environments_and_rejects_unknown_ones(capsys, tmp_path):
@@ -31,6 +33,34 @@ def test_busybox_rootfs_has_a_real_binary_and_applet_links_and_is_cached(tmp_pat
     mtime = tar.stat().st_mtime_ns
     assert rootfs_tarball("busybox", tmp_path) == tar and tar.stat().st_mtime_ns == mtime  # cached, not rebuilt
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".build-")]  # no half-built leftovers
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+def test_a_failed_build_unmounts_what_it_left_mounted_before_removing_its_dir(tmp_path, monkeypatch):
+    # debootstrap killed by its timeout leaves /proc, /sys (and maybe a /dev bind) mounted in the target;
+    # removing the build dir through such a mount would delete the host's files behind it.
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "precious").write_text("keep")
+
+    def build(root):
+        (root / "dev").mkdir()
+        subprocess.run(["mount", "--bind", str(host), str(root / "dev")], check=True)
+        (root / "space dir").mkdir()  # mountinfo escapes the space: the unmount must still find it
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(root / "space dir")], check=True)
+        raise RuntimeError("builder killed")
+
+    monkeypatch.setitem(ENVS, "leaky", EnvDefinition("leaky", "1", "mounts and dies", build))
+    cache = tmp_path / "cache"
+    try:
+        with pytest.raises(RuntimeError, match="builder killed"):
+            rootfs_tarball("leaky", cache)
+        assert (host / "precious").read_text() == "keep"
+        assert not [p for p in cache.iterdir() if p.name.startswith(".build-")]
+        assert not _mounts_under(cache)
+    finally:  # a broken implementation must not leave this machine with mounts under /tmp
+        for mp in _mounts_under(cache):
+            subprocess.run(["umount", "-l", mp], check=False)
 
 
 def test_every_env_has_an_idle_entry_command_and_a_versioned_image_ref():
