@@ -72,6 +72,55 @@ async def test_streaming_and_plain_give_the_same_ids_and_logprobs(cpu_server):
     assert [t[1] for t in plain["meta_info"]["output_token_logprobs"]] == plain["output_ids"]
 
 
+async def test_every_intermediate_chunk_is_the_final_answers_prefix_field_for_field(cpu_server):
+    # The intermediate chunks are assembled from bytes serialized once per token: each must still be exactly
+    # what the final answer would say at that length (ids, logprob triples to the bit, counts, version).
+    chunks = await _stream(cpu_server.url, PROMPT, return_logprob=True)
+    final = chunks[-1]
+    assert len(chunks) > 10
+    for ch in chunks[:-1]:
+        n = len(ch["output_ids"])
+        assert ch["output_ids"] == final["output_ids"][:n]
+        meta, fmeta = ch["meta_info"], final["meta_info"]
+        assert meta["output_token_logprobs"] == fmeta["output_token_logprobs"][:n]
+        assert meta["finish_reason"] is None and meta["completion_tokens"] == n
+        assert {k: meta[k] for k in ("id", "prompt_tokens", "cached_tokens", "weight_version")} == \
+               {k: fmeta[k] for k in ("id", "prompt_tokens", "cached_tokens", "weight_version")}
+        assert set(meta) == set(fmeta)
+
+
+async def test_an_http_1_0_streaming_client_gets_unframed_chunks_up_to_the_close(cpu_server):
+    # HTTP/1.0 has no chunked encoding: the stream is the events' bytes, ended by the server's close.
+    host, port = cpu_server.url.removeprefix("http://").split(":")
+    body = json.dumps({"input_ids": PROMPT, "sampling_params": GREEDY, "stream": True}).encode()
+    r, w = await asyncio.open_connection(host, int(port))
+    w.write(b"POST /generate HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+            % (len(body), body))
+    raw = await asyncio.wait_for(r.read(), 60)
+    w.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert b"chunked" not in head.lower()
+    events = [e for e in payload.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and all(e.startswith(b"data: {") for e in events[:-1])
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert len(chunks) > 10 and chunks[-1]["output_ids"] == (await _gen(cpu_server.url, PROMPT))["output_ids"]
+
+
+async def test_a_streaming_client_that_goes_away_stops_its_decoding(start_cpu_server):
+    srv = start_cpu_server("--step-delay-ms", "5")
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 4000}, "stream": True}
+    async with httpx.AsyncClient() as c:
+        async with c.stream("POST", srv.url + "/generate", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk, then the connection closes
+        deadline = asyncio.get_running_loop().time() + 10
+        while (info := (await c.get(srv.url + "/get_server_info")).json())["num_running"]:
+            assert asyncio.get_running_loop().time() < deadline, "the engine decodes for a client that left"
+            await asyncio.sleep(0.02)
+        assert info["belayer_counters"]["aborted"] == 1 and info["belayer_counters"]["generated_tokens"] < 1000
+
+
 async def test_streamed_text_is_decoded_incrementally_and_equals_the_full_decode(cpu_server, tiny_model):
     from transformers import AutoTokenizer
 

@@ -21,7 +21,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import orjson
 from aiohttp import web
@@ -135,7 +135,10 @@ class Request:
     prompt_ids: list[int]
     sampling: Sampling
     return_logprob: bool
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # set once finish_reason is
+    # Called on the event loop after each token that does not finish the request (a streamed request's
+    # writer); the final state is the handler's to send.
+    on_token: Optional[Callable[["Request"], None]] = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     cache: Any = None
@@ -256,7 +259,7 @@ class Engine:
         if req in self.running:
             self.running.remove(req)
         self.by_rid.pop(req.rid, None)
-        req.queue.put_nowait(None)
+        req.done.set()
 
     async def run(self) -> None:
         """The scheduler loop: admit, then one token for every running request, repeat."""
@@ -359,9 +362,10 @@ class Engine:
                 reason = {"type": "stop", "matched": hit}
         if reason is None and len(req.output_ids) >= s.max_new_tokens:
             reason = {"type": "length", "length": len(req.output_ids)}
-        req.queue.put_nowait(len(req.output_ids))
         if reason is not None:
             self._finish(req, reason)
+        elif req.on_token is not None:
+            req.on_token(req)
 
     async def update_weights(self, path: str, version: Optional[str]) -> None:
         async with self._lock:
@@ -425,6 +429,58 @@ def _response(eng: Engine, req: Request, text: Optional[str] = None) -> dict:
     if text is None:  # the final answer: one full decode, exactly what a non-streaming request gets
         text = eng.tokenizer.decode(req.output_ids, skip_special_tokens=True)
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+class ChunkWriter:
+    """A streamed request's intermediate chunks, written to its socket by the scheduler as tokens come.
+
+    SGLang's chunks are cumulative: each carries all ids (and logprobs) so far. The ids and logprobs are
+    serialized once each and the chunk is assembled from those bytes, and it is written from the scheduler
+    without waking the request's handler: a token's chunk costs a write, not a task switch, a list rebuild
+    and an aiohttp write (each token must reach the kernel before the next step: a SIGKILL loses what is
+    still in the process, and token recovery resumes from what the client received).
+    """
+
+    __slots__ = ("eng", "transport", "framed", "ids", "lps", "n", "sent")
+
+    def __init__(self, eng: "Engine", transport: Any, framed: bool = True):
+        self.eng, self.transport, self.framed = eng, transport, framed
+        self.ids, self.lps = bytearray(), bytearray()  # serialized output_ids / logprob triples, comma-joined
+        self.n = 0  # ids serialized
+        self.sent = 0  # ids in the last chunk sent
+
+    def token(self, req: Request) -> None:
+        # As SGLang: the first token at once, then whenever stream_interval tokens are unsent.
+        if self.sent and len(req.output_ids) - self.sent < req.sampling.stream_interval:
+            return
+        t = self.transport
+        if t is None or t.is_closing():  # the client went away: stop decoding for it
+            self.eng.abort(req.rid)
+            return
+        if t.get_write_buffer_size():
+            return  # the reader is behind: it gets the newest state in a later chunk, not a backlog
+        data = b"data: " + self.chunk(req) + b"\n\n"
+        # in aiohttp's framing (chunked transfer encoding) when it uses one; the final chunk and the
+        # terminator are aiohttp's own writes, after these
+        t.write(b"%x\r\n%b\r\n" % (len(data), data) if self.framed else data)
+        self.sent = len(req.output_ids)
+
+    def chunk(self, req: Request) -> bytes:
+        """The intermediate chunk of `req` now: `_response(eng, req, text=<streamed text>)` as JSON."""
+        ids, lps = req.output_ids, req.logprobs
+        for i in range(self.n, len(ids)):
+            sep = b"," if i else b""
+            self.ids += sep + b"%d" % ids[i]
+            if req.return_logprob:
+                self.lps += sep + orjson.dumps([lps[i], ids[i], None])
+        self.n = len(ids)
+        meta = orjson.dumps({"id": req.rid, "finish_reason": None, "prompt_tokens": len(req.prompt_ids),
+                             "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": req.weight_version,
+                             "e2e_latency": time.time() - req.created})
+        if req.return_logprob:
+            meta = meta[:-1] + b',"output_token_logprobs":[' + self.lps + b"]}"
+        return (b'{"text":' + orjson.dumps(self.eng.stream_text(req)) + b',"output_ids":[' + self.ids
+                + b'],"meta_info":' + meta + b"}")
 
 
 def _parse_generate(eng: Engine, body: Any) -> Request:
@@ -533,25 +589,16 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
             return _bad(str(e))
         try:
             if not body.get("stream"):
-                while await req.queue.get() is not None:
-                    pass
+                await req.done.wait()
                 return web.json_response(_response(eng, req))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
-            sent = 0  # ids in the last chunk sent
-            while True:
-                item = await req.queue.get()
-                # SGLang's chunks are cumulative: every chunk carries all ids so far.
-                if item is None:
-                    await resp.write(b"data: " + orjson.dumps(_response(eng, req)) + b"\n\ndata: [DONE]\n\n")
-                    break
-                # As SGLang: the first token at once, then whenever stream_interval tokens are unsent.
-                unsent = len(req.output_ids) - sent
-                if req.queue.empty() and (unsent >= req.sampling.stream_interval or (sent == 0 and unsent > 0)):
-                    # (and coalesced: a slow reader gets the newest state, not a backlog)
-                    chunk = _response(eng, req, text=eng.stream_text(req))
-                    await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-                    sent = len(req.output_ids)
+            if req.finish_reason is None:
+                # HTTP/1.1 responses of unknown length are chunk-framed by aiohttp; an HTTP/1.0 one is raw bytes
+                # up to the close
+                req.on_token = ChunkWriter(eng, request.transport, framed=request.version >= (1, 1)).token
+            await req.done.wait()
+            await resp.write(b"data: " + orjson.dumps(_response(eng, req)) + b"\n\ndata: [DONE]\n\n")
             return resp
         finally:
             if req.finish_reason is None:  # the client went away: stop decoding for it
@@ -569,8 +616,7 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
         req = Request(rid=f"health-{uuid.uuid4().hex}", prompt_ids=[eng.eos_id or 0],
                       sampling=Sampling(max_new_tokens=1, temperature=0.0), return_logprob=False)
         eng.submit(req)
-        while await req.queue.get() is not None:
-            pass
+        await req.done.wait()
         return web.Response(text="ok")
 
     async def model_info(_: web.Request) -> web.Response:
