@@ -16,6 +16,7 @@ requests, and the sandbox work of a training step (`overhead.py` measures that).
 
 Last line: RESULT plain_ms=.. stream_ms=.. final_only_ms=.. stream_pct=.. final_only_pct=.. tokens=.. rounds=..
 Usage: python bench/stream_chunks.py [--quick] [--engine cpu|sglang] [--tokens N] [--rounds N] [--logprobs]
+                                    [--override KEY=VALUE ...]  (SGLang's recipe, e.g. its extra_args)
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ async def _wait_ready(session, url: str, proc: subprocess.Popen, timeout: float 
     raise TimeoutError(f"{url} not ready within {timeout} s")
 
 
-def _start(engine: str, port: int, log_path: Path) -> subprocess.Popen:
+def _start(engine: str, port: int, log_path: Path, overrides: list[str]) -> subprocess.Popen:
     """One engine server on 127.0.0.1:`port`, in its own process group."""
     if engine == "sglang":
         from belayer_plugin.config import load_belayer_config
         from belayer_plugin.engines.sglang import launch_sglang_server, sglang_available
         from belayer_plugin.fleet.launch import resolve_model_path
 
-        cfg, _ = load_belayer_config("fleet_demo", ["belayer.engines.kind=sglang"])
+        cfg, _ = load_belayer_config("fleet_demo", ["belayer.engines.kind=sglang", *overrides])
         if not sglang_available(cfg.engines):
             sys.exit("sglang: .venv-sglang not built (bash .ci/setup.sh --sglang)")
         return launch_sglang_server(cfg.engines, resolve_model_path(cfg), "127.0.0.1", port, log_path)
@@ -70,7 +71,7 @@ def _start(engine: str, port: int, log_path: Path) -> subprocess.Popen:
                                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
 
 
-async def run(engine: str, tokens: int, rounds: int, logprobs: bool) -> dict:
+async def run(engine: str, tokens: int, rounds: int, logprobs: bool, overrides: list[str]) -> dict:
     import aiohttp
 
     from belayer_plugin.engines.launch import free_port
@@ -78,7 +79,7 @@ async def run(engine: str, tokens: int, rounds: int, logprobs: bool) -> dict:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _start(engine, port, Path(tempfile.mkdtemp(prefix="belayer-bench-chunks-")) / "engine.log")
+    proc = _start(engine, port, Path(tempfile.mkdtemp(prefix="belayer-bench-chunks-")) / "engine.log", overrides)
     sp = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
     payload = {"input_ids": [54, 280, 487], "sampling_params": sp, "return_logprob": logprobs}
     final_only = {**payload, "sampling_params": {**sp, "stream_interval": tokens + 1}}
@@ -122,9 +123,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--logprobs", action="store_true", help="ask for logprobs, as the main job does")
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override for the SGLang server, e.g. belayer.engines.sglang.extra_args=[--incremental-streaming-output]")
     args = ap.parse_args()
+    if args.override and args.engine != "sglang":
+        ap.error("--override applies to --engine sglang")
     rounds = args.rounds or (10 if args.quick else 40)
-    ms = asyncio.run(run(args.engine, args.tokens, rounds, args.logprobs))
+    ms = asyncio.run(run(args.engine, args.tokens, rounds, args.logprobs, args.override))
     pct = {k: 100.0 * (ms[k] / ms["plain"] - 1) for k in ("stream", "final_only")}
     print(f"{args.engine} engine, {args.tokens} tokens{' with logprobs' if args.logprobs else ''}, median of {rounds} sequential requests "
           f"per arm: plain {ms['plain']:.1f} ms | streamed, a chunk per token {ms['stream']:.1f} ms "
