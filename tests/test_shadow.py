@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
 from belayer_plugin.generation.sglang_http import generate, get_json
@@ -214,9 +215,39 @@ async def test_cpu_engines_map_one_shared_memory_copy_of_the_weights(tmp_path, t
         assert str(shm).startswith("/dev/shm/") and (shm / "weights.bin").exists()
         async with httpx.AsyncClient() as c:
             for s in [*fm.slots.values()]:
-                info = await get_json(c, s.info.url, "/get_server_info", 5)
+                await get_json(c, s.info.url, "/get_server_info", 5)
                 maps = Path(f"/proc/{s.info.pid}/maps").read_text()
                 assert str(shm / "weights.bin") in maps, "engine did not map the shared weights"
             sh = fm.shadows.ready[0]
             assert str(shm / "weights.bin") in Path(f"/proc/{sh.info.pid}/maps").read_text()
     assert not shm.exists(), "the holder must remove its shared memory at shutdown"
+
+
+def _servers_logging_to(log: Path) -> list[psutil.Process]:
+    """Running processes whose stdout is `log` (an engine server writes its log there from its start)."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.readlink(f"/proc/{p.pid}/fd/1") == str(log) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (OSError, psutil.Error):
+            pass
+    return out
+
+
+async def test_a_standby_still_starting_when_the_fleet_shuts_down_leaves_no_server_behind(tmp_path, tiny_model):
+    async with fleet(tmp_path, tiny_model) as fm:
+        sh = fm.shadows.ready[0]
+        t0 = time.time()
+        os.kill(sh.info.pid, signal.SIGKILL)
+        await fm.events.wait_for(ev("shadow_lost", sh.sid), 10, since=t0)
+        log = tmp_path / "engines" / "shadow-1.log"
+        # Its replacement's server is spawned but not yet healthy (~2 s): nothing announces the spawn to
+        # this process, so /proc is read every 20 ms, bounded.
+        deadline = time.monotonic() + 30
+        while not (servers := _servers_logging_to(log)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert servers and not fm.shadows.ready, "the replacement was not caught mid-start"
+    # The fleet is shut down: the replacement's server went with it (not whenever Ray collects its actor).
+    gone, alive = await asyncio.to_thread(psutil.wait_procs, servers, timeout=10)
+    assert not alive, f"a starting standby's server outlived the fleet: {alive}"
