@@ -9,14 +9,24 @@ hits both arms alike. Start-up (engines, standby) is excluded: steps only, the f
 included (what a trainer pays). Beside the wall time it prints each phase (generation; pause..resume)
 and the CPU each step cost the whole host and the driver, per arm, to say where a difference comes from.
 --quick keeps these definitions with fewer runs and steps.
-Usage: python bench/overhead.py [--quick] [--runs N] [--steps N] [--on-override KEY=VALUE ...]
+
+--concurrent runs each pair's two arms at the same time instead, each in its own process (its own Ray cluster,
+engines and router) pinned to one core of its own, the cores swapped from pair to pair. This machine's drift
+(the same work costs 3.4-6.7 CPU-s per step from one minute to the next) then hits both arms of a pair alike,
+so the pair's difference is what fault tolerance adds on one core. The whole host's CPU holds both arms there,
+so the CPU is reported by role only, and fault tolerance's own share as a part of the arm's core time.
+Sandbox containers are pinned too where the runtime keeps the affinity it is started with (runc may reset it).
+Usage: python bench/overhead.py [--quick] [--runs N] [--steps N] [--concurrent] [--on-override KEY=VALUE ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -66,7 +76,23 @@ def _role_cpu(loop: ReferenceLoop) -> dict[str, float]:
             "engines": sum(_tree_cpu(p) for p in eng), "standby": sum(_tree_cpu(p) for p in sby),
             "router": _tree_cpu(fm.router.proc.pid) if fm.router and fm.router.proc else 0.0,
             # /health_generate probes: each makes an engine generate a token (engines' CPU, not the driver's)
-            "probes": float(fm.monitor.probes_sent), "probes_skipped": float(fm.monitor.probes_skipped)}
+            "probes": float(fm.monitor.probes_sent), "probes_skipped": float(fm.monitor.probes_skipped),
+            "steal": _core_steal_s()}
+
+
+def _core_steal_s() -> float:
+    """Steal seconds so far of the one core this process is pinned to (0 when not pinned to one): the time the
+    hypervisor ran something else while this vCPU wanted to run. It is per vCPU, so pinning cannot share it."""
+    cores = os.sched_getaffinity(0)
+    if len(cores) != 1:
+        return 0.0
+    name = f"cpu{next(iter(cores))}"
+    with open("/proc/stat") as f:
+        for line in f:
+            v = line.split()
+            if v[0] == name:
+                return int(v[8]) / os.sysconf("SC_CLK_TCK")
+    return 0.0
 
 
 def one(ft: bool, steps: int, on_overrides: list[str]) -> dict[str, float]:
@@ -87,7 +113,7 @@ def one(ft: bool, steps: int, on_overrides: list[str]) -> dict[str, float]:
     out = {k: statistics.fmean(float(s[k] or 0.0) for s in rep["steps"]) for k in _FIELDS}
     for k in _ROLES[:-1]:
         out[f"role_{k}"] = (marks["end"][k] - marks["start"][k]) / steps
-    for k in ("probes", "probes_skipped"):
+    for k in ("probes", "probes_skipped", "steal"):
         out[k] = (marks["end"][k] - marks["start"][k]) / steps
     # the rest: what the host's busy CPU (each step's cpu_host_s) holds beyond the named roles
     out["role_rest"] = out["cpu_host_s"] - sum(out[f"role_{k}"] for k in _ROLES[:-1])
@@ -104,6 +130,35 @@ def bootstrap_interval(on: list[float], off: list[float], level: float = 0.95) -
                                                         statistics.median(off[i] for i in idx)), level)
 
 
+_CHILD = "CHILD "
+
+
+def concurrent_pair(i: int, steps: int, on_overrides: list[str], timeout_s: float) -> tuple[dict, dict]:
+    """Both arms at once, each in a process pinned to a core of its own (swapped on odd pairs); (on, off)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--concurrent needs two cores")
+    core = {False: cores[i % 2], True: cores[(i + 1) % 2]}
+    procs = {}
+    for ft in (False, True):
+        argv = [sys.executable, __file__, "--child", "on" if ft else "off", "--core", str(core[ft]),
+                "--steps", str(steps)] + [f"--on-override={o}" for o in on_overrides]
+        procs[ft] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = {}
+    try:
+        for ft, p in procs.items():
+            text, _ = p.communicate(timeout=timeout_s)
+            lines = [ln for ln in text.splitlines() if ln.startswith(_CHILD)]
+            if p.returncode != 0 or not lines:
+                raise RuntimeError(f"arm {'on' if ft else 'off'} failed (exit {p.returncode}):\n{text[-3000:]}")
+            out[ft] = json.loads(lines[-1][len(_CHILD):]) | {"core": core[ft]}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    return out[True], out[False]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -112,12 +167,30 @@ def main() -> None:
     ap.add_argument("--on-override", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe override for the 'on' arm only, to attribute the overhead to a part "
                          "(e.g. belayer.shadow.num_standby=0, belayer.sandbox.policy.enabled=false)")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="run each pair's arms at the same time, each pinned to a core of its own")
+    ap.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
+    ap.add_argument("--core", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     runs = args.runs or (2 if args.quick else 3)
     steps = args.steps or (2 if args.quick else 4)
+    if args.child:  # one arm of a concurrent pair: pinned before Ray starts, so every process it starts inherits
+        os.sched_setaffinity(0, {args.core})
+        print(_CHILD + json.dumps(one(args.child == "on", steps, args.on_override)), flush=True)
+        return
     on: list[dict[str, float]] = []
     off: list[dict[str, float]] = []
     for i in range(runs):
+        if args.concurrent:
+            a, b = concurrent_pair(i, steps, args.on_override, timeout_s=600 + 120 * steps)
+            on.append(a)
+            off.append(b)
+            print(f"pair {i + 1}/{runs} at once: off {b['step_s']:.3f} s/step (core {b['core']}), "
+                  f"on {a['step_s']:.3f} s/step (core {a['core']}): {_pct(a['step_s'], b['step_s']):+.2f}% "
+                  f"(generation {_pct(a['gen_s'], b['gen_s']):+.2f}%, pause..resume "
+                  f"{_pct(a['barrier_s'], b['barrier_s']):+.2f}%; steal per step off {b['steal']:.3f} s, "
+                  f"on {a['steal']:.3f} s)", flush=True)
+            continue
         for ft in ((False, True) if i % 2 == 0 else (True, False)):
             r = one(ft, steps, args.on_override)
             (on if ft else off).append(r)
@@ -133,17 +206,20 @@ def main() -> None:
     # spread: the per-run overheads of the paired runs, so one slow run of one arm shows up as spread
     pairs = [_pct(a["step_s"], b["step_s"]) for a, b in zip(on, off)]
     ci = bootstrap_interval([r["step_s"] for r in on], [r["step_s"] for r in off])
-    print(f"seconds per step (median of {runs} runs x {steps} steps): off (plain client through sglang-router) "
+    how = "pairs run at once, one core each" if args.concurrent else "interleaved runs"
+    print(f"seconds per step (median of {runs} runs x {steps} steps, {how}): off (plain client through sglang-router) "
           f"{s_off:.3f} s [{min(r['step_s'] for r in off):.3f}-{max(r['step_s'] for r in off):.3f}] | on {s_on:.3f} s "
           f"[{min(r['step_s'] for r in on):.3f}-{max(r['step_s'] for r in on):.3f}] | overhead {pct:+.2f}% "
-          f"(paired runs {min(pairs):+.1f}% .. {max(pairs):+.1f}%; 95% bootstrap interval {ci[0]:+.2f}% .. {ci[1]:+.2f}%; "
-          f"goal <= 0.5%)")
+          f"(paired runs {min(pairs):+.1f}% .. {max(pairs):+.1f}%, median {statistics.median(pairs):+.2f}%; "
+          f"95% bootstrap interval {ci[0]:+.2f}% .. {ci[1]:+.2f}%; goal <= 0.5%)")
     # Where the time and the CPU go: wall time per phase, and CPU per step of the whole host (every process:
     # engines, router, sandboxes, standby, this driver) and of the driver alone (the trainer's process, where
     # Belayer's client and monitor run). CPU is what an arm adds to 2 shared cores whatever their contention.
+    # Run at once, the host's CPU holds both arms: only the roles, each arm's own processes, are read.
     rows = []
-    for k, name in (("gen_s", "generation (s)"), ("barrier_s", "pause..resume (s)"),
-                    ("cpu_host_s", "host CPU (s)"), ("cpu_driver_s", "driver CPU (s)")):
+    phases = [("gen_s", "generation (s)"), ("barrier_s", "pause..resume (s)")]
+    phases += [] if args.concurrent else [("cpu_host_s", "host CPU (s)")]
+    for k, name in phases + [("cpu_driver_s", "driver CPU (s)")]:
         p = [_pct(a[k], b[k]) for a, b in zip(on, off)]
         rows.append((k, med(off, k), med(on, k), _pct(med(on, k), med(off, k)), min(p), max(p)))
         print(f"  {name:<18} off {rows[-1][1]:7.3f}  on {rows[-1][2]:7.3f}  {rows[-1][3]:+6.2f}% "
@@ -152,36 +228,39 @@ def main() -> None:
     # standby, the router it bypasses) measure steadily run to run; the engines' and the sandbox commands'
     # share of the same work varies by tenths of a second between runs of either arm, so their difference is
     # printed with its spread and kept apart.
+    roles = _ROLES[:-1] if args.concurrent else _ROLES
     diffs: dict[str, list[float]] = {}
     print("  CPU per step by role (s): off / on / on - off median (paired min .. max)")
-    for k in _ROLES:
+    for k in roles:
         diffs[k] = [x[f"role_{k}"] - y[f"role_{k}"] for x, y in zip(on, off)]
         print(f"    {k:<9} {med(off, f'role_{k}'):7.3f} / {med(on, f'role_{k}'):7.3f} / "
               f"{statistics.median(diffs[k]):+7.3f} ({min(diffs[k]):+.3f} .. {max(diffs[k]):+.3f})")
-    host_off = med(off, "cpu_host_s")
+    # The base of the CPU shares: the host's CPU per step, or at once the one core an arm had per step.
+    base, of = (s_off, "of the arm's core time") if args.concurrent else (med(off, "cpu_host_s"), "of the host's CPU")
     steady = sum(statistics.median(diffs[k]) for k in ("driver", "standby", "router"))
     shared = sum(statistics.median(diffs[k]) for k in ("engines", "commands"))
     spread = (sum(min(diffs[k]) for k in ("engines", "commands")), sum(max(diffs[k]) for k in ("engines", "commands")))
     # one slow run of either arm decides min and max; the sign count says whether the rest agree
     above = sum(e + c > 0 for e, c in zip(diffs["engines"], diffs["commands"]))
-    steady_pct, shared_pct = steady / host_off * 100, shared / host_off * 100
-    print(f"  CPU fault tolerance adds per step: driver + standby + router {steady:+.3f} s = {steady_pct:+.2f}% of the "
-          f"host's CPU per step; engines + commands {shared:+.3f} s = {shared_pct:+.2f}% "
+    steady_pct, shared_pct = steady / base * 100, shared / base * 100
+    print(f"  CPU fault tolerance adds per step: driver + standby + router {steady:+.3f} s = {steady_pct:+.2f}% {of} "
+          f"per step; engines + commands {shared:+.3f} s = {shared_pct:+.2f}% "
           f"(paired {spread[0]:+.3f} .. {spread[1]:+.3f} s; {above} of {runs} pairs above zero)")
     print(f"  readiness probes (/health_generate) per step, on arm: {med(on, 'probes'):.1f} sent, "
           f"{med(on, 'probes_skipped'):.1f} skipped (the engine streamed tokens within the probe interval)")
     if args.on_override:
         print(f"'on' arm with: {' '.join(args.on_override)}")
     fig = {k: v for k, _, _, v, _, _ in rows}
+    host = "" if args.concurrent else f"host_cpu_overhead_pct={fig['cpu_host_s']:.2f} "
     print(f"RESULT step_s_off={s_off:.3f} step_s_on={s_on:.3f} overhead_pct={pct:.2f} "
           f"overhead_min_pct={min(pairs):.2f} overhead_max_pct={max(pairs):.2f} "
+          f"overhead_pairs_median_pct={statistics.median(pairs):.2f} "
           f"overhead_ci95_lo_pct={ci[0]:.2f} overhead_ci95_hi_pct={ci[1]:.2f} "
           f"gen_overhead_pct={fig['gen_s']:.2f} barrier_overhead_pct={fig['barrier_s']:.2f} "
-          f"host_cpu_overhead_pct={fig['cpu_host_s']:.2f} driver_cpu_overhead_pct={fig['cpu_driver_s']:.2f} "
+          f"{host}driver_cpu_overhead_pct={fig['cpu_driver_s']:.2f} "
           f"steady_cpu_pct={steady_pct:.2f} shared_cpu_pct={shared_pct:.2f} shared_pairs_above_zero={above} "
           f"probes_per_step={med(on, 'probes'):.1f} "
-          f"runs={runs} steps={steps}")
-
+          f"mode={'concurrent' if args.concurrent else 'interleaved'} runs={runs} steps={steps}")
 
 if __name__ == "__main__":
     main()
