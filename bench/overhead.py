@@ -262,5 +262,6 @@ def main() -> None:
           f"probes_per_step={med(on, 'probes'):.1f} "
           f"mode={'concurrent' if args.concurrent else 'interleaved'} runs={runs} steps={steps}")
 
+
 if __name__ == "__main__":
     main()

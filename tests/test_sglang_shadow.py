@@ -23,10 +23,9 @@ import pytest
 from belayer_plugin.events import EventLog
 from belayer_plugin.fleet.manager import FleetManager
 from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
-from belayer_plugin.generation.sglang_http import generate
 from tests.conftest import belayer_cfg
 from tests.test_sglang_engine import needs_sglang
-from tests.test_sglang_fleet import _engine_processes, _perturbed_copy, _until_gone
+from tests.test_sglang_fleet import SGLANG, _engine_processes, _ids, _perturbed_copy, _until_gone
 from tests.test_shadow import proc_state, stopped_state
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(600)]
@@ -35,22 +34,12 @@ PROMPT = [54, 280, 487, 423, 442]
 N = 200
 KILL_AT = 30
 GREEDY = {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}
-SGLANG_SHADOW = [
-    "belayer.engines.kind=sglang",
+SGLANG_SHADOW = [o for o in SGLANG if not o.startswith("belayer.shadow.num_standby=")] + [
     "belayer.engines.num_engines=1",
-    "belayer.engines.startup_timeout_s=240",
-    "belayer.use_fault_tolerance=true",
     "belayer.shadow.num_standby=1",
     "belayer.shadow.freeze_parked=true",
     "belayer.shadow.handover_timeout_s=30",
     "belayer.restart.min_healthy_engines=0",  # one engine: its death must not end the test's fleet
-    "belayer.monitor.probe_interval_s=1",
-    "belayer.monitor.probe_timeout_s=5",  # /health_generate takes >= 1 s on CPU, more while others start
-    "belayer.monitor.failure_threshold=2",
-    "belayer.monitor.boot_grace_s=5",
-    "belayer.monitor.liveness_timeout_s=2",
-    "belayer.router.membership_timeout_s=10",
-    "belayer.recovery.stall_timeout_s=60",
 ]
 
 
@@ -85,9 +74,8 @@ async def test_a_stopped_sglang_standby_is_refit_while_parked_and_takes_over_a_k
         done = await events.wait_for(lambda e: e.kind == "shadow_refit" and e.subject == sh.sid, 120, since=t0)
         assert done.figures["version"] == "v1" and sh.version == "v1"
         assert sh.frozen and await stopped_state(sh.info.actor_pid) == "T"
-        async with httpx.AsyncClient() as c:
-            base = await generate(c, sh.info.url, {"input_ids": PROMPT, "sampling_params": GREEDY}, 120)
-        golden = (await _direct(fm.slots["engine-0"].info.url))["output_ids"]
+        base = await _ids(sh.info.url, PROMPT, GREEDY)
+        golden = (await _ids(fm.slots["engine-0"].info.url, PROMPT, GREEDY))["output_ids"]
         # Not just the label: the standby computes with v1's weights (the same ids as the serving engine).
         assert base["output_ids"] == golden and base["meta_info"]["weight_version"] == "v1"
 
@@ -128,8 +116,3 @@ async def test_a_stopped_sglang_standby_is_refit_while_parked_and_takes_over_a_k
         await fm.shutdown()
     left = await _until_gone(seen, 20)
     assert not left, f"SGLang processes outlived the fleet: {left}"
-
-
-async def _direct(url: str) -> dict:
-    async with httpx.AsyncClient() as c:
-        return await generate(c, url, {"input_ids": PROMPT, "sampling_params": GREEDY}, 120)

@@ -110,15 +110,13 @@ class ShadowPool:
             # Parked in the background: on shared CPUs its refits (and any other work) yield to the serving
             # engines. 0 where the priority could not be restored at handover (the actor checks).
             nice = await actor.set_background.remote(self.cfg.standby_nice) if self.cfg.standby_nice else 0
-        except asyncio.CancelledError:
-            # The pool is closing while this one starts: its actor (and by PDEATHSIG its server) goes now, not
-            # whenever Ray collects the dropped handle (~4 s later here).
+        except BaseException as e:
             self._starting.pop(sid, None)
             self._kill(actor)
-            raise
-        except Exception as e:
-            self._starting.pop(sid, None)
-            self._kill(actor)
+            if not isinstance(e, Exception):
+                # Cancelled (the pool is closing while this one starts): its actor, and by PDEATHSIG its server,
+                # went now, not whenever Ray collects the dropped handle (~4 s later here).
+                raise
             fm.events.emit("shadow", sid, "shadow_failed", f"{type(e).__name__}: {e}"[:300], level="warning")
             return None
         self._starting.pop(sid, None)
