@@ -276,6 +276,8 @@ class ReferenceLoop:
                                           "env_recoveries": r.env_recoveries, "resumed_requests": r.resumed_requests,
                                           "checkpoints": r.checkpoints, "checkpoint_wait_s": round(r.checkpoint_wait_s, 4),
                                           "gen_s": round(r.gen_s, 3), "env_s": round(r.env_s, 3),
+                                          "setup_s": round(r.setup_s, 3), "finish_s": round(r.finish_s, 3),
+                                          "wall_s": round(r.wall_s, 3),
                                           "final_state": r.final_state})
             self.fleet.raise_if_fatal()  # below the floor: the typed fleet error, not "trajectories lost"
             if len(done) < len(results):
@@ -295,18 +297,24 @@ class ReferenceLoop:
             await self.fleet.pause(release_memory=True)
             if self.chaos:
                 self.chaos.on_phase("paused", step)
+            t_train = time.monotonic()
             out = await self._train(step, batch)
             if self.chaos:
                 self.chaos.on_phase("refit", step)
+            t_refit = time.monotonic()
             if cfg.use_fault_tolerance:
                 await self.fleet.recover_dead(lc.step_timeout_s)  # a no-op when nothing died
             served = await self.fleet.refit(out["path"], f"v{step}")
+            t_resume = time.monotonic()
             await self.fleet.resume()
             t_end, cpu_host_end = time.monotonic(), host_cpu_s()
             rewards = [r.reward for r in done]
             self.steps.append({"step": step, "mean_reward": statistics.fmean(rewards), "loss": out["loss"],
                                "version": f"v{step}", "engines": served, "trajectories": len(done),
                                "gen_s": round(gen_s, 3), "barrier_s": round(t_end - t_barrier, 3),
+                               # the barrier's parts: pause (release memory), train, refit, resume
+                               "pause_s": round(t_train - t_barrier, 4), "train_s": round(t_refit - t_train, 4),
+                               "refit_s": round(t_resume - t_refit, 4), "resume_s": round(t_end - t_resume, 4),
                                "step_s": round(t_end - t_step, 3),
                                # CPU the step cost: this process (the trainer's driver, Belayer's client
                                # and monitor) and the whole host (None where /proc/stat is absent)

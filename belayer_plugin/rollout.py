@@ -47,6 +47,9 @@ class TrajectoryResult:
     resumed_requests: int = 0
     gen_s: float = 0.0
     env_s: float = 0.0
+    setup_s: float = 0.0  # a fresh sandbox's creation (0 for a forked or replayed member)
+    finish_s: float = 0.0  # the final state read and the sandbox's close
+    wall_s: float = 0.0  # the whole trajectory, set when it ends
     checkpoints: int = 0
     checkpoint_wait_s: float = 0.0
     errors: list[str] = field(default_factory=list)
@@ -108,12 +111,14 @@ async def run_trajectory(*, traj_id: str, traj_index: int, step: int, prompt_ids
     ft = cfg.use_fault_tolerance
     sb_cfg = cfg.sandbox
     on_event = events.callback("sandbox")
+    t_start = time.monotonic()
     if start is None:
         sandbox = await asyncio.to_thread(sandbox_factory, traj_id, on_event)
         recorder = _new_recorder(traj_id, sandbox, store, sb_cfg, on_event)
     else:
         recorder = start.recorder
-    res = TrajectoryResult(traj_id, list(prompt_ids), [], [], [], "", 0.0)
+    res = TrajectoryResult(traj_id, list(prompt_ids), [], [], [], "", 0.0, setup_s=time.monotonic() - t_start)
+    t_finish = None
     policy: Optional[CheckpointPolicy] = None
     keep_open = False
     last = loop_cfg.turns if until is None else until
@@ -181,6 +186,7 @@ async def run_trajectory(*, traj_id: str, traj_index: int, step: int, prompt_ids
             if policy is not None and turn + 1 < last:
                 policy.maybe_checkpoint_async(boundary)  # overlaps the next generation
             turn += 1
+        t_finish = time.monotonic()
         if policy is not None:
             await asyncio.to_thread(policy.close)  # waits for a checkpoint in flight: a fork may use it
             res.checkpoints = policy.stats.succeeded
@@ -198,6 +204,9 @@ async def run_trajectory(*, traj_id: str, traj_index: int, step: int, prompt_ids
             policy.close()
         if not keep_open:
             await asyncio.to_thread(recorder.close)
+        now = time.monotonic()
+        res.wall_s = now - t_start
+        res.finish_s = now - t_finish if t_finish is not None else 0.0
 
 
 async def run_group(*, group_id: str, first_index: int, step: int, prompt_ids: list[int], cfg: Any, loop_cfg: Any,

@@ -37,7 +37,11 @@ import bootstrap  # noqa: E402  (bench/, the script's own directory)
 from belayer_plugin.config import load_belayer_config  # noqa: E402
 from belayer_plugin.loop import ReferenceLoop  # noqa: E402
 
-_FIELDS = ("step_s", "gen_s", "barrier_s", "cpu_host_s", "cpu_driver_s")
+_FIELDS = ("step_s", "gen_s", "barrier_s", "pause_s", "train_s", "refit_s", "resume_s", "cpu_host_s", "cpu_driver_s")
+# One trajectory's wall time by part (means over the run's trajectories, which run four at a time): the
+# sandbox's creation, the model's turns (client side: request to last token), the actions' execs, the final
+# state and close, and what is left (the checkpoint policy, observations' tokenizing, the event loop's waits).
+_TRAJ = ("wall_s", "setup_s", "gen_s", "env_s", "finish_s")
 # Where the host's CPU goes during the steps, by role: the trainer's driver (Belayer's client, monitor and
 # fleet manager run in it), the commands it ran and waited for (podman exec, checkpoint, restore: the
 # sandboxes' CLI work, CRIU included), the serving engines (server and Ray actor), the standbys, sglang-router, and the
@@ -77,22 +81,26 @@ def _role_cpu(loop: ReferenceLoop) -> dict[str, float]:
             "router": _tree_cpu(fm.router.proc.pid) if fm.router and fm.router.proc else 0.0,
             # /health_generate probes: each makes an engine generate a token (engines' CPU, not the driver's)
             "probes": float(fm.monitor.probes_sent), "probes_skipped": float(fm.monitor.probes_skipped),
-            "steal": _core_steal_s()}
+            **_core_times()}
 
 
-def _core_steal_s() -> float:
-    """Steal seconds so far of the one core this process is pinned to (0 when not pinned to one): the time the
-    hypervisor ran something else while this vCPU wanted to run. It is per vCPU, so pinning cannot share it."""
+def _core_times() -> dict[str, float]:
+    """Busy and steal seconds so far of the one core this process is pinned to (0 when not pinned to one).
+    Busy is all CPU that core ran: pinned, an arm's every process (Ray's own, Podman's, the containers') is
+    there, so it is the arm's whole CPU where the roles miss Ray's and Podman's daemons. Steal is the time the
+    hypervisor ran something else while this vCPU wanted to run; it is per vCPU, so pinning cannot share it."""
     cores = os.sched_getaffinity(0)
     if len(cores) != 1:
-        return 0.0
+        return {"core_busy": 0.0, "steal": 0.0}
     name = f"cpu{next(iter(cores))}"
     with open("/proc/stat") as f:
         for line in f:
             v = line.split()
             if v[0] == name:
-                return int(v[8]) / os.sysconf("SC_CLK_TCK")
-    return 0.0
+                # user nice system idle iowait irq softirq steal ...
+                busy = sum(int(x) for x in v[1:4]) + int(v[6]) + int(v[7])
+                return {"core_busy": busy / os.sysconf("SC_CLK_TCK"), "steal": int(v[8]) / os.sysconf("SC_CLK_TCK")}
+    return {"core_busy": 0.0, "steal": 0.0}
 
 
 def one(ft: bool, steps: int, on_overrides: list[str]) -> dict[str, float]:
@@ -111,9 +119,12 @@ def one(ft: bool, steps: int, on_overrides: list[str]) -> dict[str, float]:
     if rep["status"] != "ok":
         raise RuntimeError(f"run failed: {rep['error']}")
     out = {k: statistics.fmean(float(s[k] or 0.0) for s in rep["steps"]) for k in _FIELDS}
+    for k in _TRAJ:
+        out[f"traj_{k}"] = statistics.fmean(t[k] for t in rep["trajectories"])
+    out["traj_rest_s"] = out["traj_wall_s"] - sum(out[f"traj_{k}"] for k in _TRAJ[1:])
     for k in _ROLES[:-1]:
         out[f"role_{k}"] = (marks["end"][k] - marks["start"][k]) / steps
-    for k in ("probes", "probes_skipped", "steal"):
+    for k in ("probes", "probes_skipped", "steal", "core_busy"):
         out[k] = (marks["end"][k] - marks["start"][k]) / steps
     # the rest: what the host's busy CPU (each step's cpu_host_s) holds beyond the named roles
     out["role_rest"] = out["cpu_host_s"] - sum(out[f"role_{k}"] for k in _ROLES[:-1])
@@ -169,6 +180,7 @@ def main() -> None:
                          "(e.g. belayer.shadow.num_standby=0, belayer.sandbox.policy.enabled=false)")
     ap.add_argument("--concurrent", action="store_true",
                     help="run each pair's arms at the same time, each pinned to a core of its own")
+    ap.add_argument("--json", metavar="PATH", help="also write every run's figures to PATH")
     ap.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
     ap.add_argument("--core", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -224,6 +236,17 @@ def main() -> None:
         rows.append((k, med(off, k), med(on, k), _pct(med(on, k), med(off, k)), min(p), max(p)))
         print(f"  {name:<18} off {rows[-1][1]:7.3f}  on {rows[-1][2]:7.3f}  {rows[-1][3]:+6.2f}% "
               f"(paired {min(p):+.1f}% .. {max(p):+.1f}%)")
+    # The wall time by part, so a difference the CPU does not explain has a place: the barrier's parts, and a
+    # trajectory's (a sum over one trajectory; four run at a time, so they overlap and do not add up to a step).
+    def parts(title: str, keys: list[tuple[str, str]]) -> None:
+        print(f"  {title} (s, mean per run): off / on / on - off median (paired min .. max; pairs above zero)")
+        for k, name in keys:
+            d = [x[k] - y[k] for x, y in zip(on, off)]
+            print(f"    {name:<9} {med(off, k):7.3f} / {med(on, k):7.3f} / {statistics.median(d):+7.4f} "
+                  f"({min(d):+.4f} .. {max(d):+.4f}; {sum(v > 0 for v in d)} of {len(d)})")
+
+    parts("pause..resume by part", [(k, k[:-2]) for k in ("pause_s", "train_s", "refit_s", "resume_s")])
+    parts("one trajectory's wall time by part", [(f"traj_{k}", k[:-2]) for k in _TRAJ + ("rest_s",)])
     # CPU by role (seconds per step, medians). Fault tolerance's own parts (the driver's extra work, the
     # standby, the router it bypasses) measure steadily run to run; the engines' and the sandbox commands'
     # share of the same work varies by tenths of a second between runs of either arm, so their difference is
@@ -235,6 +258,16 @@ def main() -> None:
         diffs[k] = [x[f"role_{k}"] - y[f"role_{k}"] for x, y in zip(on, off)]
         print(f"    {k:<9} {med(off, f'role_{k}'):7.3f} / {med(on, f'role_{k}'):7.3f} / "
               f"{statistics.median(diffs[k]):+7.3f} ({min(diffs[k]):+.3f} .. {max(diffs[k]):+.3f})")
+    if args.concurrent:
+        # All the CPU the arm's core ran per step: its roles plus Ray's and Podman's daemons, the containers and
+        # the kernel's work for them. Pinned, nothing of the other arm is in it.
+        d = [x["core_busy"] - y["core_busy"] for x, y in zip(on, off)]
+        print(f"    the core  {med(off, 'core_busy'):7.3f} / {med(on, 'core_busy'):7.3f} / "
+              f"{statistics.median(d):+7.3f} ({min(d):+.3f} .. {max(d):+.3f}; {sum(v > 0 for v in d)} of {runs} "
+              f"pairs above zero) = {statistics.median(d) / s_off * 100:+.2f}% of the arm's core time "
+              f"(busy {med(off, 'core_busy') / s_off * 100:.0f}% / {med(on, 'core_busy') / s_on * 100:.0f}%)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"on": on, "off": off}, indent=1))
     # The base of the CPU shares: the host's CPU per step, or at once the one core an arm had per step.
     base, of = (s_off, "of the arm's core time") if args.concurrent else (med(off, "cpu_host_s"), "of the host's CPU")
     steady = sum(statistics.median(diffs[k]) for k in ("driver", "standby", "router"))

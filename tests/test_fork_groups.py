@@ -47,3 +47,11 @@ def test_forked_group_equals_replayed_group(tmp_path):
     assert 0 < s["gen_s"] < s["step_s"] and 0 < s["barrier_s"] < s["step_s"]
     assert s["gen_s"] + s["barrier_s"] <= s["step_s"] + 0.01
     assert s["cpu_driver_s"] > 0 and s["cpu_host_s"] >= s["cpu_driver_s"] - 0.05
+    # the barrier's parts add up to it; a trajectory's parts fit inside its wall time
+    parts = [s[k] for k in ("pause_s", "train_s", "refit_s", "resume_s")]
+    assert min(parts) >= 0 and s["refit_s"] > 0 and abs(sum(parts) - s["barrier_s"]) <= 0.01
+    # (a member's gen_s also carries its share of the shared prefix's generation, which ran before it)
+    for t in forked["trajectories"]:
+        assert t["wall_s"] > 0 and t["env_s"] + t["setup_s"] + t["finish_s"] <= t["wall_s"] + 0.01
+    # a forked member starts from its group's sandbox: no fresh sandbox of its own
+    assert any(t["setup_s"] < 0.01 for t in forked["trajectories"])
