@@ -98,6 +98,17 @@ async def test_keep_warm_refit_updates_standbys_off_the_refit_barrier_and_a_hand
         base = os.getpriority(os.PRIO_PROCESS, fm.slots["engine-0"].info.pid)
         assert server_nices(fm.slots["engine-0"].info.pid) == {base}
         assert sh.nice == 10 and server_nices(sh.info.pid) == {min(19, base + 10)}
+        # In the trainer's phase (paused, memory released) a refit leaves the standby alone: it loads the
+        # version once serving resumes, beside neither the serving engines' refit nor their resume.
+        await fm.pause(release_memory=True)
+        before = sh.refit_task
+        assert set((await fm.refit(tiny_model, "v6")).values()) == {"v6"}
+        assert sh.refit_task is before and sh.version != "v6"
+        t0 = time.time()
+        await fm.resume()
+        assert sh.refit_task is not before
+        done = await fm.events.wait_for(lambda e: e.kind == "shadow_refit", 30, since=t0)
+        assert done.figures["version"] == "v6" and sh.version == "v6"
         os.kill(sh.info.pid, signal.SIGSTOP)
         try:
             t0 = time.time()

@@ -128,6 +128,7 @@ class FleetManager:
         self.weights = Weights()
         self.phase = Phase.SERVING
         self.memory_released = False  # engines' weights and KV cache released (trainer holds the memory)
+        self._standby_refit_due = False  # a refit while paused: the standbys load it once serving resumes
         self.policy = RestartPolicy(cfg.restart)
         self.monitor = HealthMonitor(cfg.monitor, self._on_signal)
         self.router: Optional[Router] = None
@@ -726,6 +727,9 @@ class FleetManager:
         if self.ft:
             self.monitor.resume()
         self.events.emit("fleet", "fleet", "phase", self.phase.value, tags=tags)
+        if self._standby_refit_due and self.shadows is not None:
+            self._standby_refit_due = False
+            self.shadows.refit_in_background(self.weights)
 
     async def recover_dead(self, timeout: float) -> int:
         """Waits for recoveries under way; a no-op (returns 0 at once, changes nothing) when nothing died."""
@@ -757,11 +761,16 @@ class FleetManager:
         incarnations = {s.slot_id: s.health.incarnation for s in targets}
         results = await asyncio.gather(*(self._update_weights(s, self.weights) for s in targets))
         if self.shadows is not None:
-            # Off the refit barrier: the trainer waits for the serving engines only, and the standbys start
-            # loading only once those are done (on shared CPUs a standby loading beside them slowed the barrier
-            # by ~2.5% of a step: bench/overhead.py). A standby needed before it is current is brought up to
-            # date by the handover itself (which settles a refit under way, then checks the version).
-            self.shadows.refit_in_background(self.weights)
+            # Off the refit barrier: the trainer waits for the serving engines only. Paused, the standbys load
+            # the version only once serving resumes (_back_to_serving): loading beside the serving engines'
+            # refit, then beside their resume, it slowed the barrier on shared CPUs (~2.5%, then +14 ms of
+            # resume per step: bench/overhead.py). Serving, they start now. A standby needed before it is
+            # current is brought up to date by the handover itself (which settles a refit under way, then
+            # checks the version).
+            if prev in (Phase.SERVING, Phase.REFIT):
+                self.shadows.refit_in_background(self.weights)
+            else:
+                self._standby_refit_due = True
         bad = []
         for s, ok in zip(targets, results):
             if not ok and s.health.state in (State.HEALTHY, State.SUSPECT) \
