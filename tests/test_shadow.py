@@ -98,6 +98,7 @@ async def test_keep_warm_refit_updates_standbys_off_the_refit_barrier_and_a_hand
         base = os.getpriority(os.PRIO_PROCESS, fm.slots["engine-0"].info.pid)
         assert server_nices(fm.slots["engine-0"].info.pid) == {base}
         assert sh.nice == 10 and server_nices(sh.info.pid) == {min(19, base + 10)}
+        assert server_nices(sh.info.actor_pid) == {min(19, base + 10)}  # its actor too (woken for each refit)
         # In the trainer's phase (paused, memory released) a refit leaves the standby alone: it loads the
         # version once serving resumes, beside neither the serving engines' refit nor their resume.
         await fm.pause(release_memory=True)
@@ -131,7 +132,7 @@ async def test_keep_warm_refit_updates_standbys_off_the_refit_barrier_and_a_hand
         assert reg.figures["version"] == "v9" and fm.slots["engine-0"].info.url == sh.info.url
         assert await sh.actor.weight_version.remote() == "v9"
         # Its refits ran in the background (threads they started inherit the nice); serving, it is back to normal.
-        assert sh.nice == 0 and server_nices(sh.info.pid) == {base}
+        assert sh.nice == 0 and server_nices(sh.info.pid) == {base} and server_nices(sh.info.actor_pid) == {base}
         assert fm.events.find(lambda e: e.t >= t1 and e.kind == "handover" and e.subject == "engine-0")
         assert not fm.events.find(lambda e: e.t >= t1 and e.kind in ("handover_failed", "shadow_lost"))
 

@@ -199,10 +199,12 @@ class EngineActor:
         return {"status": r.status_code, "body": data}
 
     async def set_background(self, nice: int) -> int:
-        """Runs the server `nice` steps below its start-up CPU priority (0: back to it); returns the offset now
-        in effect. A standby parks in the background so that its refits yield the CPU to serving engines; it
-        is put there only where it can be brought back (`can_restore_priority`): a promoted standby must never
-        serve at reduced priority. Returns 0 without a change where it could not come back."""
+        """Runs the server, and this actor's own process with it, `nice` steps below the server's start-up CPU
+        priority (0: back to it); returns the offset now in effect. A standby parks in the background so that
+        its refits yield the CPU to serving engines: the actor too, since it is woken for each refit and its
+        Ray threads catch up then, beside the rollout's first turns. It is put there only where it can be
+        brought back (`can_restore_priority`): a promoted standby must never serve at reduced priority.
+        Returns 0 without a change where it could not come back."""
         if self.proc is None or self._exited.is_set():
             return self._nice
         if self._base_nice is None:
@@ -212,7 +214,8 @@ class EngineActor:
                 return self._nice
         if nice > 0 and not await asyncio.to_thread(can_restore_priority):
             return self._nice
-        await asyncio.to_thread(renice_tree, self.proc.pid, min(19, self._base_nice + max(0, nice)))
+        # the tree from this actor's process: its threads and the server's (a child of it)
+        await asyncio.to_thread(renice_tree, os.getpid(), min(19, self._base_nice + max(0, nice)))
         self._nice = max(0, nice)
         return self._nice
 
