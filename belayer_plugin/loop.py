@@ -155,16 +155,9 @@ class ReferenceLoop:
                                  took_s=round(time.monotonic() - t0, 3))
 
     def _backend(self) -> Any:
-        sb = self.cfg.sandbox
-        if sb.backend == "podman":
-            from belayer_plugin.sandbox.podman import PodmanBackend
+        from belayer_plugin.sandbox.factory import make_backend
 
-            backend: Any = PodmanBackend(criu_path=sb.criu_path, root=sb.podman_root or None)
-        else:
-            from belayer_plugin.sandbox.docker_backend import DockerBackend
-
-            backend = DockerBackend(base_url=sb.docker_host or None, criu_path=sb.criu_path)
-        return backend
+        return make_backend(self.cfg.sandbox)
 
     async def run(self) -> dict:
         """Runs every step; returns the report (also written to run_dir/report.json)."""

@@ -102,6 +102,55 @@ def test_exec_timeout_kills_the_command_inside_the_container(sandbox):
     assert "sleep 30" not in sandbox.exec("ps -o args").stdout
 
 
+def test_a_background_job_holding_the_output_does_not_hold_the_exec(sandbox):
+    # `server &` left behind by an agent's command keeps its stdout open; the call ends with the command
+    t0 = time.monotonic()
+    r = sandbox.exec("sleep 15 & echo started")
+    assert (r.stdout, r.exit_code) == ("started\n", 0) and time.monotonic() - t0 < 5
+    assert "sleep 15" in sandbox.exec("ps -o args").stdout  # still running in the container
+
+
+def test_podman_runs_commands_through_runc_with_podman_exec_semantics(podman, env_cache):
+    """runc exec (the default) and podman exec give the same results: env, cwd, stdin, exit codes, signals;
+    the runc path is taken and leaves no zombie behind, in the container or on the host."""
+    from belayer_plugin.sandbox.podman import PodmanBackend
+
+    via_podman = PodmanBackend(state_dir=podman.state_dir, exec_via="podman")
+    spec = SandboxSpec(image=busybox_image_for(podman, env_cache), memory_mb=64, pids_limit=64, env={"FOO": "image"})
+    sb = Sandbox.create(podman, spec, exec_timeout_s=20)
+    try:
+        cases = [(["sh", "-c", 'echo "$FOO $BAR $(pwd)"; cat; exit 3'], "/tmp", {"FOO": "call", "BAR": "b"}, b"in\n"),
+                 (["sh", "-c", "kill -9 $$"], None, {}, None),
+                 (["sh", "-c", "echo err >&2; id -u"], None, {}, None),
+                 (["/no/such/program"], None, {}, None), (["/etc/passwd"], None, {}, None)]
+        for argv, cwd, env, stdin in cases:
+            a = podman.exec(sb.container_id, argv, 20.0, cwd, env, stdin)
+            b = via_podman.exec(sb.container_id, argv, 20.0, cwd, env, stdin)
+            assert (a.stdout, a.exit_code) == (b.stdout, b.exit_code), argv
+            if argv[0] == "sh":
+                assert a.stderr == b.stderr, argv
+        assert podman._runc_ok is True and via_podman._runc_ok is False
+        assert podman.exec(sb.container_id, ["sh", "-c", 'echo "$FOO $BAR $(pwd)"'], 20.0, "/tmp",
+                           {"FOO": "call", "BAR": "b"}, None).stdout == "call b /tmp\n"
+        for _ in range(5):
+            sb.exec("true")
+        states = []
+        for pid in cgroup_pids(sb.container_id):
+            try:
+                states.append(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        assert states and "Z" not in states, states
+        # a runc that does not see podman's containers (another state root): podman exec runs the command
+        elsewhere = PodmanBackend(state_dir=podman.state_dir)
+        (podman.state_dir / "other-runc-root").mkdir(exist_ok=True)
+        elsewhere._runc = [shutil.which("runc"), "--root", str(podman.state_dir / "other-runc-root")]
+        r = elsewhere.exec(sb.container_id, ["sh", "-c", "echo via podman"], 20.0, None, {}, None)
+        assert (r.stdout, r.exit_code, elsewhere._runc_ok) == ("via podman\n", 0, False)
+    finally:
+        sb.close()
+
+
 def test_files_round_trip_bytes_and_missing_file_is_reported(sandbox):
     blob = bytes(range(256)) * 40
     sandbox.write_file("/work/deep/dir/blob.bin", blob, 0o600)

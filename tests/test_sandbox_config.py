@@ -16,7 +16,7 @@ def good() -> SandboxConfig:
     return SandboxConfig(backend="podman", env="busybox", network="none", cpus=1.0, memory_mb=512, pids_limit=256,
                          exec_timeout_s=60.0, checkpoint_mode="auto", checkpoint_dir="", checkpoint_timeout_s=30.0,
                          restore_timeout_s=60.0, restore_retries=2, keep_checkpoints=2, replay_deterministic=False,
-                         criu_path="", env_cache_dir="", docker_host="", podman_root="", policy=pol)
+                         criu_path="", env_cache_dir="", docker_host="", podman_root="", podman_exec="runc", policy=pol)
 
 
 def test_fields_have_no_defaults_in_code():

@@ -165,6 +165,51 @@ def run_cmd(argv: Sequence[str], timeout_s: float, input: Optional[bytes] = None
     return cp
 
 
+def run_until_exit(argv: Sequence[str], timeout_s: float, input: Optional[bytes] = None,
+                   env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Runs a host command until it exits (bounded; on timeout kills its process group); never raises on rc.
+
+    Output goes through temporary files, not pipes: a command that hands its stdio to programs it starts
+    (`runc exec` does) returns when it exits, even where a background child it left still holds them.
+    """
+    import select
+    import tempfile
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as inp:
+        if input is not None:
+            inp.write(input)
+            inp.seek(0)
+        p = subprocess.Popen(list(argv), stdin=inp if input is not None else subprocess.DEVNULL, stdout=out,
+                             stderr=err, env=env, start_new_session=True)
+        try:
+            # a pidfd wakes us at exit; Popen.wait(timeout) would poll every few ms up to 50 ms
+            fd = os.pidfd_open(p.pid)
+        except (AttributeError, OSError):
+            fd = -1
+        try:
+            if fd >= 0:
+                if not select.select([fd], [], [], timeout_s)[0]:
+                    raise subprocess.TimeoutExpired(list(argv), timeout_s)
+                p.wait()
+            else:
+                p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+            out.seek(0)
+            err.seek(0)
+            raise subprocess.TimeoutExpired(list(argv), timeout_s, out.read(), err.read()) from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(list(argv), p.returncode, out.read(), err.read())
+
+
 def cgroup_pids(container_id: str) -> list[int]:
     """Host pids whose cgroup path names this container id (cgroup v1 and v2, podman and docker)."""
     pids = []

@@ -67,6 +67,7 @@ class SandboxConfig:
     env_cache_dir: str = _req()  # "" -> <cache_dir>/envs
     docker_host: str = _req()  # "" -> $DOCKER_HOST; the Docker backend needs `dockerd --experimental`
     podman_root: str = _req()  # "" -> podman's default storage
+    podman_exec: str = _one_of("runc", "podman")  # how commands run in podman's containers (sandbox/podman.py)
     policy: SandboxPolicyConfig = field(default_factory=SandboxPolicyConfig)
 
     def problems(self) -> list[str]:

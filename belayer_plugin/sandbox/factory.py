@@ -18,7 +18,7 @@ def make_backend(cfg: SandboxConfig) -> Backend:
     if cfg.backend == "podman":
         from belayer_plugin.sandbox.podman import PodmanBackend
 
-        return PodmanBackend(root=cfg.podman_root or None, criu_path=cfg.criu_path)
+        return PodmanBackend(root=cfg.podman_root or None, criu_path=cfg.criu_path, exec_via=cfg.podman_exec)
     if cfg.backend == "docker":
         from belayer_plugin.sandbox.docker_backend import DockerBackend
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +25,7 @@ from belayer_plugin.sandbox.base import (
     kill_cgroup_leftovers,
     stuck_checkpoint_timeout,
     run_cmd,
+    run_until_exit,
 )
 
 log = logging.getLogger(__name__)
@@ -32,16 +36,34 @@ EXPORT_FILE = "podman-checkpoint.tar"
 _OLD_EXPORT_FILE = "podman-checkpoint.tar.zst"  # checkpoints taken before the change still restore
 
 
+# How commands run in a container podman started. "runc": `runc exec` on the container's runc state, the
+# call podman's own exec makes after its bookkeeping (its database, locks, conmon). bench/sandbox_exec.py,
+# two processes of four threads creating, exec'ing and removing sandboxes (two concurrent rollouts): a
+# command p50 0.10 s vs 0.31 s through podman exec, max 0.36 s vs 5.2 s (podman exec now and then returns
+# ~5 s after its command ended, exit 0). Same process spec either way (the container's env, user,
+# capabilities, seccomp and cgroup; --env and --cwd on top). "podman": `podman exec`.
+EXEC_VIA = ("runc", "podman")
+_RUNC_EXEC = str(Path(__file__).with_name("runc_exec.py"))  # waits for the command runc started (see there)
+
+
 class PodmanBackend:
     """Drives `podman --runtime runc` with a private containers.conf (the VM needs the ulimit workaround)."""
 
     name = "podman"
 
     def __init__(self, state_dir: Optional[str | Path] = None, root: Optional[str] = None,
-                 runroot: Optional[str] = None, criu_path: str = "", podman: str = "podman"):
+                 runroot: Optional[str] = None, criu_path: str = "", podman: str = "podman",
+                 exec_via: str = "runc"):
+        if exec_via not in EXEC_VIA:
+            raise ValueError(f"exec_via must be one of {list(EXEC_VIA)}, got {exec_via!r}")
         self.state_dir = Path(state_dir or os.path.expanduser("~/.cache/belayer/podman"))
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.criu_path = criu_path
+        self.exec_via = exec_via
+        # runc's state directory for podman's containers: /run/runc as root, $XDG_RUNTIME_DIR/runc rootless.
+        # Checked against the first container exec'd (see _runc_exec); None: not decided yet.
+        self._runc: Optional[list[str]] = None
+        self._runc_ok: Optional[bool] = None if exec_via == "runc" else False
         self.base = [podman, "--runtime", "runc", "--cgroup-manager", "cgroupfs", "--events-backend", "file"]
         if root:
             self.base += ["--root", str(root)]
@@ -121,6 +143,23 @@ class PodmanBackend:
 
     def exec(self, cid: str, argv: list[str], timeout_s: float, workdir: Optional[str], env: dict[str, str],
              stdin: Optional[bytes]) -> ExecResult:
+        t0 = time.monotonic()
+        try:
+            cp = self._exec_raw(cid, argv, timeout_s, workdir, env, stdin)
+        except subprocess.TimeoutExpired as e:
+            return ExecResult((e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace"),
+                              -1, time.monotonic() - t0, timed_out=True)
+        return ExecResult(cp.stdout.decode(errors="replace"), cp.stderr.decode(errors="replace"), cp.returncode,
+                          time.monotonic() - t0)
+
+    def _exec_raw(self, cid: str, argv: list[str], timeout_s: float = 60.0, workdir: Optional[str] = None,
+                  env: Optional[dict[str, str]] = None, stdin: Optional[bytes] = None) -> subprocess.CompletedProcess:
+        """Runs argv in the container (runc exec, else podman exec); raw output. Raises TimeoutExpired."""
+        env = env or {}
+        if self._runc_ok is not False:
+            cp = self._runc_exec(cid, argv, timeout_s, workdir, env, stdin)
+            if cp is not None:
+                return cp
         args = ["exec"]
         if stdin is not None:
             args.append("-i")
@@ -128,23 +167,64 @@ class PodmanBackend:
             args += ["--workdir", workdir]
         for k, v in env.items():
             args += ["--env", f"{k}={v}"]
-        t0 = time.monotonic()
+        return self._run(args + [cid, *argv], timeout_s=timeout_s, input=stdin, check=False)
+
+    def _runc_exec(self, cid: str, argv: list[str], timeout_s: float, workdir: Optional[str],
+                   env: dict[str, str], stdin: Optional[bytes]) -> Optional[subprocess.CompletedProcess]:
+        """`runc exec` in the container; None when runc does not know it (podman exec runs it then)."""
+        if self._runc is None:
+            runc = shutil.which("runc")
+            uid = os.geteuid()
+            run_dir = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{uid}"
+            root = "/run/runc" if uid == 0 else os.path.join(run_dir, "runc")
+            if not runc or not os.path.isdir(root):
+                self._runc_ok = False
+                log.info("podman backend: no runc state at %s; commands go through podman exec", root)
+                return None
+            self._runc = [runc, "--root", root]
+        # The pid file tells a command that ran (its own exit status, 255 included) from one runc refused
+        # to start (runc's 255: the container is gone, stopped or paused, or not under this runc root).
+        pid_file = self.state_dir / f"exec-{uuid.uuid4().hex}.pid"
+        args = [sys.executable, "-S", "-I", _RUNC_EXEC, *self._runc, "exec", "--detach", "--pid-file", str(pid_file)]
+        if workdir:
+            args += ["--cwd", workdir]
+        for k, v in env.items():
+            args += ["--env", f"{k}={v}"]
         try:
-            cp = self._run(args + [cid, *argv], timeout_s=timeout_s, input=stdin, check=False)
-        except subprocess.TimeoutExpired as e:
-            return ExecResult((e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace"),
-                              -1, time.monotonic() - t0, timed_out=True)
-        return ExecResult(cp.stdout.decode(errors="replace"), cp.stderr.decode(errors="replace"), cp.returncode,
-                          time.monotonic() - t0)
+            cp = run_until_exit(args + [cid, *argv], timeout_s, input=stdin, env=self.env)
+            started = pid_file.exists()
+        finally:
+            pid_file.unlink(missing_ok=True)
+        if started:
+            self._runc_ok = True
+            return cp
+        if not self._runc_ok:
+            # runc has run nothing yet on this backend: does it see podman's containers at this root at all?
+            known = run_cmd([*self._runc, "state", cid], 30.0, env=self.env, check=False).returncode == 0
+            if not known and self.is_running(cid):
+                log.warning("podman backend: runc at %s does not see container %s (%s); commands go through "
+                            "podman exec", self._runc[2], cid[:12], cp.stderr.decode(errors="replace").strip()[-200:])
+                self._runc_ok = False
+                return None
+            if not known:
+                return cp  # the container is gone: runc's 255, as podman exec gives (the caller checks liveness)
+            self._runc_ok = True
+        if cp.returncode == 255 and b"unable to start container process" in cp.stderr:
+            # the program could not be started: the exit codes podman exec gives (and a shell would)
+            err = cp.stderr.lower()
+            code = 126 if b"permission denied" in err or b"operation not permitted" in err else \
+                127 if b"no such file or directory" in err or b"executable file not found" in err else 255
+            cp = subprocess.CompletedProcess(cp.args, code, cp.stdout, cp.stderr)
+        return cp
 
     def put_file(self, cid: str, path: str, data: bytes, mode: int) -> None:
         script = 'mkdir -p "$(dirname "$1")" && cat > "$1.belayer-tmp" && chmod "$2" "$1.belayer-tmp" && mv -f "$1.belayer-tmp" "$1"'
-        cp = self._run(["exec", "-i", cid, "sh", "-c", script, "_", path, format(mode, "o")], input=data, check=False)
+        cp = self._exec_raw(cid, ["sh", "-c", script, "_", path, format(mode, "o")], stdin=data)
         if cp.returncode != 0:
             raise SandboxError(f"write {path}: {cp.stderr.decode(errors='replace').strip()}")
 
     def get_file(self, cid: str, path: str) -> bytes:
-        cp = self._run(["exec", cid, "cat", path], check=False)
+        cp = self._exec_raw(cid, ["cat", path])
         if cp.returncode != 0:
             raise FileNotFoundError(f"{path}: {cp.stderr.decode(errors='replace').strip()}")
         return cp.stdout

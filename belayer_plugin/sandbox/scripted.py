@@ -59,9 +59,10 @@ def setup_stated(sb: Sandbox) -> None:
 
 
 def action(i: int) -> dict:
-    """The i-th scripted action (1-based)."""
-    return {"command": f"echo add a{i} > /tmp/ctl && echo a{i} >> /work/log && echo v{i} > /work/f{i % 3}",
-            "timeout": 20}
+    """The i-th scripted action (1-based): three effects 0.1 s apart, as a tool call takes time to run (an
+    exec-phase kill then lands while the command runs, possibly between its effects)."""
+    return {"command": f"echo add a{i} > /tmp/ctl && sleep 0.1 && echo a{i} >> /work/log && sleep 0.1 && "
+                       f"echo v{i} > /work/f{i % 3}", "timeout": 20}
 
 
 def tokens(b: int) -> list[int]:

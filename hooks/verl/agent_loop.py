@@ -43,15 +43,10 @@ def sandbox_from_config(trajectory_id: str, cfg: BelayerConfig):
 
     from belayer_plugin.envs.build import ensure_image
 
+    from belayer_plugin.sandbox.factory import make_backend
+
     sc = cfg.sandbox
-    if sc.backend == "podman":
-        from belayer_plugin.sandbox.podman import PodmanBackend
-
-        backend = PodmanBackend(root=sc.podman_root or None, criu_path=sc.criu_path)
-    else:
-        from belayer_plugin.sandbox.docker_backend import DockerBackend
-
-        backend = DockerBackend(sc.docker_host or None, criu_path=sc.criu_path)
+    backend = make_backend(sc)
     cache = sc.env_cache_dir or str(cache_dir(cfg) / "envs")
     image = ensure_image(backend, sc.env, cache)
     spec = SandboxSpec(image=image, cpus=sc.cpus, memory_mb=sc.memory_mb, pids_limit=sc.pids_limit,
