@@ -102,12 +102,16 @@ def test_exec_timeout_kills_the_command_inside_the_container(sandbox):
     assert "sleep 30" not in sandbox.exec("ps -o args").stdout
 
 
-def test_a_background_job_holding_the_output_does_not_hold_the_exec(sandbox):
+def test_a_background_job_holding_the_output_does_not_hold_the_exec_or_break_a_checkpoint(
+        backend, sandbox, tmp_path, criu_ok):
     # `server &` left behind by an agent's command keeps its stdout open; the call ends with the command
     t0 = time.monotonic()
-    r = sandbox.exec("sleep 15 & echo started")
+    r = sandbox.exec("sleep 1000 & echo started")
     assert (r.stdout, r.exit_code) == ("started\n", 0) and time.monotonic() - t0 < 5
-    assert "sleep 15" in sandbox.exec("ps -o args").stdout  # still running in the container
+    assert "sleep 1000" in sandbox.exec("ps -o args").stdout  # still running in the container
+    # what the job holds (the exec's stdio) must be something CRIU can dump: a host file would not be
+    ck = full_checkpoint(sandbox, 1, CheckpointStore(tmp_path / "ck"), "bg", mode="full", timeout_s=60)
+    assert ck.mode == "full"
 
 
 def test_podman_runs_commands_through_runc_with_podman_exec_semantics(podman, env_cache):

@@ -169,45 +169,85 @@ def run_until_exit(argv: Sequence[str], timeout_s: float, input: Optional[bytes]
                    env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Runs a host command until it exits (bounded; on timeout kills its process group); never raises on rc.
 
-    Output goes through temporary files, not pipes: a command that hands its stdio to programs it starts
-    (`runc exec` does) returns when it exits, even where a background child it left still holds them.
+    Its stdio are pipes, read until the process exits rather than until EOF: a command that hands its stdio
+    to programs it starts (`runc exec --detach` does) returns when it exits, even where a background child it
+    left still holds them. Pipes, not files: a file of the host held by a process in a container would make
+    its CRIU dump fail; a pipe whose reader has gone is dumped like the ones `podman exec` leaves.
     """
-    import select
-    import tempfile
+    import selectors
 
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as inp:
-        if input is not None:
-            inp.write(input)
-            inp.seek(0)
-        p = subprocess.Popen(list(argv), stdin=inp if input is not None else subprocess.DEVNULL, stdout=out,
-                             stderr=err, env=env, start_new_session=True)
-        try:
-            # a pidfd wakes us at exit; Popen.wait(timeout) would poll every few ms up to 50 ms
-            fd = os.pidfd_open(p.pid)
-        except (AttributeError, OSError):
-            fd = -1
-        try:
-            if fd >= 0:
-                if not select.select([fd], [], [], timeout_s)[0]:
-                    raise subprocess.TimeoutExpired(list(argv), timeout_s)
+    p = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env, start_new_session=True)
+    out_fd, err_fd = p.stdout.fileno(), p.stderr.fileno()
+    bufs: dict[int, list[bytes]] = {out_fd: [], err_fd: []}
+    data = memoryview(input or b"")
+    sel = selectors.DefaultSelector()
+    pidfd = -1
+    try:
+        for f in (p.stdin, p.stdout, p.stderr):
+            os.set_blocking(f.fileno(), False)
+        for fd in bufs:
+            sel.register(fd, selectors.EVENT_READ)
+        if data:
+            sel.register(p.stdin.fileno(), selectors.EVENT_WRITE)
+        else:
+            p.stdin.close()
+        pidfd = os.pidfd_open(p.pid)  # readable at the process's exit: no polling of waitpid
+        sel.register(pidfd, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        exited = False
+        while not exited:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 p.wait()
-            else:
-                p.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+                raise subprocess.TimeoutExpired(list(argv), timeout_s, b"".join(bufs[out_fd]), b"".join(bufs[err_fd]))
+            for key, _ in sel.select(left):
+                fd = key.fd
+                if fd == pidfd:
+                    exited = True
+                elif fd in bufs:
+                    try:
+                        chunk = os.read(fd, 65536)
+                    except BlockingIOError:
+                        continue
+                    if chunk:
+                        bufs[fd].append(chunk)
+                    else:
+                        sel.unregister(fd)
+                else:  # stdin
+                    try:
+                        data = data[os.write(fd, data[:65536]):]
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:
+                        data = data[:0]
+                    if not data:
+                        sel.unregister(fd)
+                        p.stdin.close()
+        for fd, buf in bufs.items():  # what the command wrote before it exited is in the pipes now
+            while True:
+                try:
+                    chunk = os.read(fd, 65536)
+                except (BlockingIOError, OSError):
+                    break
+                if not chunk:
+                    break
+                buf.append(chunk)
+        p.wait()
+    finally:
+        sel.close()
+        if pidfd >= 0:
+            os.close(pidfd)
+        for f in (p.stdin, p.stdout, p.stderr):
             try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                f.close()
+            except OSError:
                 pass
-            p.wait()
-            out.seek(0)
-            err.seek(0)
-            raise subprocess.TimeoutExpired(list(argv), timeout_s, out.read(), err.read()) from None
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(list(argv), p.returncode, out.read(), err.read())
+    return subprocess.CompletedProcess(list(argv), p.returncode, b"".join(bufs[out_fd]), b"".join(bufs[err_fd]))
 
 
 def cgroup_pids(container_id: str) -> list[int]:
