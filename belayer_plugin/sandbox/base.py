@@ -165,6 +165,14 @@ def run_cmd(argv: Sequence[str], timeout_s: float, input: Optional[bytes] = None
     return cp
 
 
+def _wait_and_wake(p: subprocess.Popen, wake_w: int) -> None:
+    p.wait()
+    try:
+        os.write(wake_w, b"x")
+    except OSError:
+        pass
+
+
 def run_until_exit(argv: Sequence[str], timeout_s: float, input: Optional[bytes] = None,
                    env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
     """Runs a host command until it exits (bounded; on timeout kills its process group); never raises on rc.
@@ -182,7 +190,9 @@ def run_until_exit(argv: Sequence[str], timeout_s: float, input: Optional[bytes]
     bufs: dict[int, list[bytes]] = {out_fd: [], err_fd: []}
     data = memoryview(input or b"")
     sel = selectors.DefaultSelector()
-    pidfd = -1
+    pidfd = -1  # readable once the process has exited
+    waiter: Optional[threading.Thread] = None
+    wake_w = -1
     try:
         for f in (p.stdin, p.stdout, p.stderr):
             os.set_blocking(f.fileno(), False)
@@ -192,7 +202,12 @@ def run_until_exit(argv: Sequence[str], timeout_s: float, input: Optional[bytes]
             sel.register(p.stdin.fileno(), selectors.EVENT_WRITE)
         else:
             p.stdin.close()
-        pidfd = os.pidfd_open(p.pid)  # readable at the process's exit: no polling of waitpid
+        try:
+            pidfd = os.pidfd_open(p.pid)  # no polling of waitpid
+        except (AttributeError, OSError):  # Linux < 5.3: a thread waits and wakes the selector through a pipe
+            pidfd, wake_w = os.pipe()
+            waiter = threading.Thread(target=_wait_and_wake, args=(p, wake_w), daemon=True)
+            waiter.start()
         sel.register(pidfd, selectors.EVENT_READ)
         deadline = time.monotonic() + timeout_s
         exited = False
@@ -240,8 +255,11 @@ def run_until_exit(argv: Sequence[str], timeout_s: float, input: Optional[bytes]
         p.wait()
     finally:
         sel.close()
-        if pidfd >= 0:
-            os.close(pidfd)
+        if waiter is not None:
+            waiter.join(timeout=5.0)  # p has been waited for: the thread has written or is about to
+        for fd in (pidfd, wake_w):
+            if fd >= 0:
+                os.close(fd)
         for f in (p.stdin, p.stdout, p.stderr):
             try:
                 f.close()
