@@ -59,7 +59,6 @@ class PodmanBackend:
         self.state_dir = Path(state_dir or os.path.expanduser("~/.cache/belayer/podman"))
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.criu_path = criu_path
-        self.exec_via = exec_via
         # runc's state directory for podman's containers: /run/runc as root, $XDG_RUNTIME_DIR/runc rootless.
         # Checked against the first container exec'd (see _runc_exec); None: not decided yet.
         self._runc: Optional[list[str]] = None

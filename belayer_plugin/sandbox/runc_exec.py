@@ -3,7 +3,7 @@
 RUNC_ARGV is a whole `runc ... exec --detach --pid-file F ... CONTAINER CMD...` command line. runc's attached
 mode copies the command's output through its own pipes until every holder closes them, so a background job
 the command leaves (`server &`) would hold the call open. Detached, the command inherits this process's stdio
-(the caller's files) and runc exits at once; this process is a child subreaper, so the command is
+(the caller's pipes, read until this process exits: base.run_until_exit) and runc exits at once; this process is a child subreaper, so the command is
 reparented here when runc exits and its exit status is collected like conmon does for podman's exec.
 Background jobs stay in the container: orphans inside it go to its PID 1, never to a subreaper outside.
 
@@ -22,9 +22,8 @@ PR_SET_CHILD_SUBREAPER = 36
 
 def _code(status: int) -> int:
     """A wait status as a shell reports it: the exit code, or 128 + the signal's number."""
-    if os.WIFSIGNALED(status):
-        return 128 + os.WTERMSIG(status)
-    return os.WEXITSTATUS(status)
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
 
 
 def main(argv: list[str]) -> int:
