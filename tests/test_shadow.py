@@ -195,12 +195,16 @@ async def test_a_parked_standbys_actor_is_stopped_between_refits_and_runs_for_go
         ticks = cpu_ticks(sh.info.actor_pid)
         await asyncio.sleep(1.0)  # a span to measure over, not a synchronisation
         assert cpu_ticks(sh.info.actor_pid) == ticks
-        # Woken for each refit (a stopped actor could not answer it), stopped again after.
+        # Its refit goes straight to its server: the actor is not woken for it (not one tick of CPU) and the
+        # server reports the new version.
         t0 = time.time()
         await fm.refit(tiny_model, "v2")
         done = await fm.events.wait_for(lambda e: e.kind == "shadow_refit", 30, since=t0)
-        assert done.figures["version"] == "v2" and sh.version == "v2"
+        assert done.figures["version"] == "v2" and sh.version == "v2" and done.figures["direct"] is True
         assert sh.frozen and await stopped_state(sh.info.actor_pid) == "T"
+        assert cpu_ticks(sh.info.actor_pid) == ticks
+        async with httpx.AsyncClient() as c:
+            assert (await get_json(c, sh.info.url, "/get_model_info", 10))["weight_version"] == "v2"
         # At handover it runs for good and serves at the current version, as fast as an awake standby.
         t1 = time.time()
         os.kill(fm.slots["engine-1"].info.pid, signal.SIGKILL)
@@ -219,6 +223,12 @@ async def test_standbys_stay_awake_when_freezing_is_off(tmp_path, tiny_model):
         sh = fm.shadows.ready[0]
         assert not sh.frozen and proc_state(sh.info.actor_pid) != "T"
         assert await asyncio.wait_for(sh.actor.ping.remote(), 10) == sh.sid
+        # awake, its refits go through its actor
+        t0 = time.time()
+        await fm.refit(tiny_model, "v2")
+        done = await fm.events.wait_for(lambda e: e.kind == "shadow_refit", 30, since=t0)
+        assert done.figures["version"] == "v2" and done.figures["direct"] is False
+        assert await asyncio.wait_for(sh.actor.weight_version.remote(), 10) == "v2"
 
 
 async def test_cpu_engines_map_one_shared_memory_copy_of_the_weights(tmp_path, tiny_model):

@@ -66,6 +66,7 @@ class ShadowPool:
         self._starting: dict[str, str] = {}  # standby id -> the node it is being placed on
         self._here: Optional[str] = None  # the Ray node this pool runs on (standbys there can be frozen)
         self._breather: Optional[asyncio.Task] = None
+        self._session: Any = None  # aiohttp, for refits sent straight to a frozen standby's server
 
     @property
     def target(self) -> int:
@@ -221,11 +222,34 @@ class ShadowPool:
             sh.holds -= 1
             self._park(sh)
 
-    async def _update(self, actor: Any, weights: Any) -> str:
+    def _direct_call(self, sh: Shadow) -> Any:
+        """`actor.call`'s equivalent from this process: one HTTP call to the standby's server."""
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(trust_env=False)
+
+        async def call(method: str, path: str, body: Optional[dict] = None, timeout: float = 60.0) -> dict:
+            async with self._session.request(method, f"{sh.info.url}{path}", json=body,
+                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                try:
+                    data = await r.json(content_type=None)
+                except ValueError:
+                    data = await r.text()
+                return {"status": r.status, "body": data}
+
+        return call
+
+    async def _update(self, actor: Any, weights: Any, call: Any = None) -> str:
+        """Loads `weights` into a standby (through `call`, or its actor) and checks the version it reports."""
         path = weights.path or self.fleet.engine_model_path
-        r = await actor.call.remote("POST", "/update_weights_from_disk",
-                                    {"model_path": path, "weight_version": weights.version}, 600.0)
-        version = await actor.weight_version.remote()
+        r = await (call or actor.call.remote)("POST", "/update_weights_from_disk",
+                                              {"model_path": path, "weight_version": weights.version}, 600.0)
+        if call is None:
+            version = await actor.weight_version.remote()
+        else:
+            got = await call("GET", "/get_model_info")  # as the actor reads it (SGLang has it there)
+            version = str(got["body"].get("weight_version", "default")) if isinstance(got["body"], dict) else None
         if r["status"] != 200 or version != weights.version:
             raise RuntimeError(f"standby reports {version} after refit to {weights.version}")
         return version
@@ -340,16 +364,22 @@ class ShadowPool:
         if sh not in self.ready:
             return  # taken for a handover meanwhile: the handover brings it to the current version
         t0 = time.monotonic()
+        # A frozen standby's server is on this node and watched here: its refit goes to the server straight
+        # from this process and the stopped actor stays stopped (waking it costs more CPU than the refit: its
+        # Ray threads catch up on everything they missed). Elsewhere the actor forwards the calls.
+        direct = sh.frozen
         try:
-            async with self.awake(sh):
+            async with contextlib.AsyncExitStack() as stack:
+                call = self._direct_call(sh) if direct else sh.actor.call.remote
+                if not direct:
+                    await stack.enter_async_context(self.awake(sh))
                 if sh.memory_released:
-                    await sh.actor.call.remote("POST", "/resume_memory_occupation", {"tags": ["weights"]})
-                sh.version = await self._update(sh.actor, weights)
+                    await call("POST", "/resume_memory_occupation", {"tags": ["weights"]})
+                sh.version = await self._update(sh.actor, weights, call)
                 if sh.memory_released:
-                    await sh.actor.call.remote("POST", "/release_memory_occupation",
-                                               {"tags": ["weights", "kv_cache"]})
+                    await call("POST", "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
             self.fleet.events.emit("shadow", sh.sid, "shadow_refit", f"at {sh.version}", version=sh.version,
-                                   took_s=round(time.monotonic() - t0, 4))
+                                   took_s=round(time.monotonic() - t0, 4), direct=direct)
         except Exception as e:
             self._lose(sh, f"refit failed: {e}"[:300], died=False)
 
@@ -364,6 +394,9 @@ class ShadowPool:
 
     async def shutdown(self) -> None:
         self._closing = True
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
         for t in [*self._tasks, *([self._breather] if self._breather else [])]:
             t.cancel()
         for sh in self.ready:
