@@ -119,6 +119,7 @@ def one(ft: bool, steps: int, on_overrides: list[str]) -> dict[str, float]:
     if rep["status"] != "ok":
         raise RuntimeError(f"run failed: {rep['error']}")
     out = {k: statistics.fmean(float(s[k] or 0.0) for s in rep["steps"]) for k in _FIELDS}
+    out["steps_s"] = [float(s["step_s"]) for s in rep["steps"]]  # each step's, for --json readers
     for k in _TRAJ:
         out[f"traj_{k}"] = statistics.fmean(t[k] for t in rep["trajectories"])
     out["traj_rest_s"] = out["traj_wall_s"] - sum(out[f"traj_{k}"] for k in _TRAJ[1:])
