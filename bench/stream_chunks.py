@@ -92,7 +92,7 @@ async def run(engine: str, tokens: int, rounds: int, logprobs: bool, overrides: 
                     assert len((await r.json())["output_ids"]) == tokens
 
             async def stream(body: dict) -> None:
-                await read_stream(url, body, 60, 60, lambda data, done: None, coalesce_s=0.1)
+                await read_stream(url, body, 60, 60, lambda data, done, n: None, coalesce_s=0.1)
 
             arms = {"plain": plain, "stream": lambda: stream(payload), "final_only": lambda: stream(final_only)}
             for f in arms.values():  # warm-up: first-request costs out of the figures

@@ -150,10 +150,10 @@ async def test_a_stream_interval_sends_the_first_token_at_once_then_a_chunk_ever
 def test_a_reader_that_falls_behind_parses_only_the_newest_cumulative_chunk():
     from belayer_plugin.generation.sglang_http import newest_event
 
-    assert newest_event(b'data: {"a":1}\n\ndata: {"a":2}\n\ndata: {"a') == (b'{"a":2}', False, b'data: {"a')
-    assert newest_event(b'data: {"a') == (None, False, b'data: {"a')
-    assert newest_event(b'data: {"a":2}\r\n\r\ndata: [DONE]\r\n\r\n') == (b'{"a":2}', True, b"")
-    assert newest_event(b": keep-alive\n\n") == (None, False, b"")
+    assert newest_event(b'data: {"a":1}\n\ndata: {"a":2}\n\ndata: {"a') == (b'{"a":2}', False, b'data: {"a', 2)
+    assert newest_event(b'data: {"a') == (None, False, b'data: {"a', 0)
+    assert newest_event(b'data: {"a":2}\r\n\r\ndata: [DONE]\r\n\r\n') == (b'{"a":2}', True, b"", 1)
+    assert newest_event(b": keep-alive\n\n") == (None, False, b"", 0)
 
 
 async def test_logprobs_match_transformers(cpu_server, tiny_model):

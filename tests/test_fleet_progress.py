@@ -88,8 +88,48 @@ def test_prompt_awaiting_its_first_token_extends_the_threshold_by_its_length():
     t.started("e0", 1, "long", 6000, last)  # a 6k-token prefill now holds the engine's next step
     assert t.threshold("e0") == pytest.approx(1.0 + 12.0)
     assert t.stalled(last + 12.9) == []
-    t.tokens("e0", 1, "long", last + 12.95)  # its first token: the allowance goes (the long gap stays)
-    assert t.threshold("e0") == pytest.approx(8 * 12.95)
+    t.tokens("e0", 1, "long", last + 12.95)  # its first token: the allowance goes (its wait was no gap)
+    assert t.threshold("e0") == pytest.approx(1.0)
+    t.tokens("e0", 1, "r", last + 12.96)  # the step the prefill held: r's own long gap stays
+    assert t.threshold("e0") == pytest.approx(8 * 12.96)
+
+
+def test_a_saturated_batch_keeps_its_step_time_as_the_gap_though_its_tokens_arrive_together():
+    # 30 requests decoded together: each step's 30 tokens arrive within ~90 ms of each other, and the steps
+    # slow from 20 ms to 1.5 s as the batch saturates the engine. Engine-wide gaps would be 29 near-zeros per
+    # step (their p95 ~0, the threshold at the 1 s floor, every slow step a stall); a request's gaps are
+    # the step time.
+    t = _tracker()
+    rids = [f"r{i}" for i in range(30)]
+    for r in rids:
+        t.started("e0", 1, r, 10, 0.0)
+    now, step, slowest = 0.0, 0.02, 0.0
+    for k in range(60):
+        if k >= 10:
+            step = min(1.5, step * 1.15)
+        now += step
+        assert t.stalled(now) == [], f"step {k} ({step:.2f} s) taken for a hang"
+        for i, r in enumerate(rids):
+            t.tokens("e0", 1, r, now + 0.003 * i)
+        now += 0.003 * (len(rids) - 1)
+        slowest = max(slowest, step)
+    spread = 0.003 * (len(rids) - 1)  # a request waits a whole step plus the previous step's spread
+    assert slowest == 1.5 and t.threshold("e0") == pytest.approx(8 * (1.5 + spread))
+    assert t.stalled(now + 8 * 1.5) == []
+    assert len(t.stalled(now + 8 * (1.5 + spread) + 0.01)) == 1, "a hang of the saturated engine is still found"
+
+
+def test_a_coalesced_read_of_several_chunks_counts_as_that_many_gaps():
+    t = _tracker(floor_s=0.5)
+    t.started("e0", 1, "r", 10, 0.0)
+    t.tokens("e0", 1, "r", 0.1, chunks=5)  # one read, 5 chunks: 4 gaps, warm (min_gaps 4)
+    assert t.threshold("e0") == pytest.approx(0.5)
+    now = 0.1
+    for _ in range(10):  # a read every 100 ms (the reader's window) of 5 chunks: the engine steps every 20 ms
+        now += 0.1
+        t.tokens("e0", 1, "r", now, chunks=5)
+    assert t.threshold("e0") == pytest.approx(0.5), "8 x 20 ms is under the floor (8 x 100 ms is not)"
+    assert t.stalled(now + 0.49) == [] and len(t.stalled(now + 0.5)) == 1
 
 
 def test_an_answered_probe_doubles_the_threshold_and_other_incarnations_are_ignored():
@@ -147,6 +187,9 @@ def test_tokens_streamed_before_a_reported_fault_do_not_answer_readiness():
 PROMPT = [54, 280, 487, 423, 442]
 STEP_MS = 20
 PREFILL_MS_PER_1K = 1500  # the CPU engine's chaos switch: a 2000-token prefill holds every stream ~3 s
+# The CPU engine's saturation switch: a step takes 40 ms more per running request beyond 4 (the other tests
+# keep <= 4 on an engine), so 31 requests make a ~1.1 s step.
+SATURATED_MS_PER_REQUEST, SATURATED_FREE_REQUESTS = 40, 4
 # Probes so slow that only token progress can find a hang within seconds.
 SLOW_PROBES = ["belayer.monitor.probe_interval_s=30", "belayer.monitor.probe_timeout_s=30",
                "belayer.monitor.failure_threshold=2"]
@@ -173,11 +216,14 @@ async def fleet(ray_cluster, tmp_path_factory, tiny_model):
     cfg = belayer_cfg("belayer.use_fault_tolerance=true", "belayer.router.mode=direct",
                       "belayer.engines.num_engines=2", "belayer.shadow.num_standby=0",
                       f"belayer.engines.cpu_step_delay_ms={STEP_MS}", "belayer.restart.backoff_initial_s=0",
-                      *SLOW_PROBES)
+                      "belayer.engines.max_running_requests=48", *SLOW_PROBES)
     fm = FleetManager(cfg, run_dir, EventLog(run_dir / "events.jsonl"), model_path=tiny_model)
-    # Test only: the CPU engines' slow-prefill chaos switch (the fleet passes no such variable itself).
-    fm.actor_options = lambda sid: {"runtime_env": {"env_vars": {"BELAYER_CHAOS_PREFILL_MS_PER_1K":
-                                                                     str(PREFILL_MS_PER_1K)}}}
+    # Test only: the CPU engines' slow-prefill and saturation chaos switches (the fleet passes no such
+    # variables itself).
+    fm.actor_options = lambda sid: {"runtime_env": {"env_vars": {
+        "BELAYER_CHAOS_PREFILL_MS_PER_1K": str(PREFILL_MS_PER_1K),
+        "BELAYER_CHAOS_STEP_MS_PER_REQUEST": str(SATURATED_MS_PER_REQUEST),
+        "BELAYER_CHAOS_STEP_FREE_REQUESTS": str(SATURATED_FREE_REQUESTS)}}}
     await fm.start()
     yield fm
     await fm.shutdown()
@@ -228,6 +274,42 @@ async def test_a_long_prefill_holding_a_busy_engine_raises_no_hang_alarm(fleet):
     assert _alarms(fm, t0) == [], [(e.kind, e.subject, e.reason) for e in _alarms(fm, t0)]
     assert [g.engine for g in log_bg.segments] == ["engine-0"] and log_bg.committed == 160
     assert [g.engine for g in log_long.segments] == ["engine-0"] and log_long.committed == 4
+
+
+@pytestmark_fleet
+async def test_a_saturated_engine_slower_than_the_floor_raises_no_hang_alarm(fleet):
+    # 30 requests join engine-1 three at a time, one batch per step: its step grows from 20 ms to ~1.1 s, past
+    # the 0.8 s floor. It is merely slow: the threshold follows its requests' own gaps and nothing is suspected.
+    fm = fleet
+    floor = fm.cfg.monitor.progress.floor_s
+    gen = ResumableGenerator(_Pinned(fm, "engine-1"), fm.cfg.recovery, fm.events)
+    holder: dict = {}
+    reads: list[float] = []
+    feed = _progress_cb(holder, "bg")
+
+    def cb(log, seg) -> None:
+        reads.append(time.monotonic())
+        feed(log, seg)
+
+    sp = {"temperature": 0.0, "ignore_eos": True}
+    warm = asyncio.ensure_future(_tokens(holder, "bg", 30, 30))
+    t0 = time.time()
+    bg = asyncio.create_task(gen.generate("bg", PROMPT, {**sp, "max_new_tokens": 64}, on_progress=cb))
+    await warm
+    joined = []
+    for k in range(10):
+        await _tokens(holder, "bg", 31 + k, 30)  # one more step: three more requests (read lazily, coalesced)
+        joined += [asyncio.create_task(gen.generate(f"load-{k}-{j}", PROMPT, {**sp, "max_new_tokens": 16}))
+                   for j in range(3)]
+    await _tokens(holder, "bg", 43, 60)  # every one of them is decoding now: the engine at its slowest
+    peak = fm.monitor.progress.threshold("engine-1")
+    logs = [(await asyncio.wait_for(t, 120))[0] for t in [bg, *joined]]
+    slowest = max(b - a for a, b in zip(reads, reads[1:]))
+    assert slowest > floor + 0.1, f"not saturated: bg's longest gap {slowest:.2f} s"
+    assert _alarms(fm, t0) == [], [(e.kind, e.subject, e.reason) for e in _alarms(fm, t0)]
+    assert peak is not None and peak > slowest, f"threshold {peak} did not follow the steps ({slowest:.2f} s)"
+    for log in logs:
+        assert [g.engine for g in log.segments] == ["engine-1"] and log.committed == log.max_new_tokens
 
 
 @pytestmark_fleet

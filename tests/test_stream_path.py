@@ -42,7 +42,7 @@ async def test_a_stream_with_no_data_within_the_read_timeout_breaks_with_a_named
             got = []
             t0 = time.monotonic()
             with pytest.raises(StreamBroken, match="read timeout"):
-                async for newest, done in stream_events(s, url, {"input_ids": [1]}, 5.0, read_timeout=0.5):
+                async for newest, done, _ in stream_events(s, url, {"input_ids": [1]}, 5.0, read_timeout=0.5):
                     got.append((newest, done))
             took = time.monotonic() - t0
         assert got == [(orjson.dumps(CHUNK), False)]
@@ -58,7 +58,7 @@ async def test_time_the_reader_spends_on_a_chunk_does_not_count_as_the_engine_st
     try:
         async with aiohttp.ClientSession() as s:
             got = []
-            async for newest, done in stream_events(s, url, {"input_ids": [1]}, 5.0, read_timeout=0.5):
+            async for newest, done, _ in stream_events(s, url, {"input_ids": [1]}, 5.0, read_timeout=0.5):
                 got.append((newest, done))
                 if len(got) == 1:
                     # The consumer is busy for longer than the read timeout (the engine has nothing to send

@@ -64,7 +64,7 @@ async def _send_in_pieces(writer: asyncio.StreamWriter, data: bytes, size: int) 
 async def _read(url: str, read_timeout: float = 5.0) -> list[tuple[bytes | None, bool]]:
     got: list[tuple[bytes | None, bool]] = []
     async with asyncio.timeout(20):
-        await read_stream(url, {"input_ids": [1]}, 5.0, read_timeout, lambda n, d: got.append((n, d)))
+        await read_stream(url, {"input_ids": [1]}, 5.0, read_timeout, lambda n, d, _k: got.append((n, d)))
     return got
 
 
@@ -109,7 +109,7 @@ async def test_a_stream_cut_before_done_breaks_after_handing_over_every_event_it
     async with server:
         with pytest.raises(StreamBroken, match="without \\[DONE\\]"):
             async with asyncio.timeout(20):
-                await read_stream(url, {}, 5.0, 5.0, lambda n, d: got.append((n, d)))
+                await read_stream(url, {}, 5.0, 5.0, lambda n, d, _k: got.append((n, d)))
     assert [n for n, _ in got if n is not None][-1] == CHUNKS[2]
 
 
@@ -144,7 +144,7 @@ async def test_a_stall_after_the_head_breaks_within_the_read_timeout_with_a_name
     async with server:
         with pytest.raises(StreamBroken, match="read timeout"):
             async with asyncio.timeout(20):
-                await read_stream(url, {}, 5.0, 0.5, lambda n, d: got.append((n, d)))
+                await read_stream(url, {}, 5.0, 0.5, lambda n, d, _k: got.append((n, d)))
     assert 0.4 <= time.monotonic() - t0 < 5
     assert got == [(CHUNKS[0], False)]
 
@@ -161,7 +161,7 @@ async def test_cancelling_the_reader_closes_the_connection_so_the_engine_sees_th
     server, url, _ = await _raw_server(script)
     first = asyncio.Event()
     async with server:
-        task = asyncio.create_task(read_stream(url, {}, 5.0, 30.0, lambda n, d: first.set()))
+        task = asyncio.create_task(read_stream(url, {}, 5.0, 30.0, lambda n, d, _k: first.set()))
         await asyncio.wait_for(first.wait(), 10)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -177,7 +177,7 @@ async def test_an_error_raised_by_the_callback_is_raised_as_it_is_not_as_an_engi
 
     server, url, _ = await _raw_server(script)
 
-    def boom(n, d):
+    def boom(n, d, k):
         raise KeyError("the caller's bug")
 
     async with server:
@@ -229,7 +229,7 @@ async def test_a_real_aiohttp_server_stream_is_read_to_its_done_and_gets_the_pos
     try:
         got: list = []
         async with asyncio.timeout(20):
-            await read_stream(url, {"input_ids": [1, 2]}, 5.0, 5.0, lambda n, d: got.append((n, d)))
+            await read_stream(url, {"input_ids": [1, 2]}, 5.0, 5.0, lambda n, d, _k: got.append((n, d)))
         assert [n for n, _ in got if n is not None][-1] == CHUNKS[-1] and got[-1][1]
         assert seen_bodies == [{"input_ids": [1, 2], "stream": True}]
     finally:
@@ -264,9 +264,11 @@ async def test_a_coalescing_window_reads_the_newest_of_several_chunks_instead_of
     got: list = []
     async with server:
         async with asyncio.timeout(20):
-            await read_stream(url, {}, 5.0, 5.0, lambda n, d: got.append((n, d)), coalesce_s=window)
-    news = [n for n, _ in got if n is not None]
+            await read_stream(url, {}, 5.0, 5.0, lambda n, d, k: got.append((n, d, k)), coalesce_s=window)
+    news = [n for n, _, _ in got if n is not None]
     assert news[-1] == chunks[-1] and got[-1][1]
+    # each read says how many chunks it held (token progress divides a read's wait by it): none lost
+    assert sum(k for _, _, k in got) == len(chunks), [k for _, _, k in got]
     if window:
         # ~0.3 s of chunks in 0.1 s windows (the first read comes at once): a handful of reads, not 60
         assert len(got) <= 12, len(got)
@@ -296,7 +298,7 @@ async def test_an_engine_that_dies_within_a_window_is_seen_at_once_and_every_chu
     async with server:
         with pytest.raises(StreamBroken):
             async with asyncio.timeout(20):
-                await read_stream(url, {}, 5.0, 5.0, lambda n, d: got.append((n, d)), coalesce_s=2.0)
+                await read_stream(url, {}, 5.0, 5.0, lambda n, d, _k: got.append((n, d)), coalesce_s=2.0)
     assert time.monotonic() - t0 < 1.5  # not held until the 2 s window ends
     assert [n for n, _ in got if n is not None][-1] == chunks[9]
 

@@ -155,8 +155,8 @@ async def test_with_no_per_token_reader_chunks_are_parsed_per_segment_not_per_to
         seen_chunks = {"lazy": 0}
         progressed = gen.selector.progressed
 
-        def count_and_kill(target, rid):  # the per-chunk token-progress signal: no parse behind it
-            progressed(target, rid)
+        def count_and_kill(target, rid, chunks=1):  # the per-read token-progress signal: no parse behind it
+            progressed(target, rid, chunks)
             if rid == "lazy":
                 seen_chunks[rid] += 1
                 # (reads, not tokens: a reader that keeps only the newest chunk reads the socket every

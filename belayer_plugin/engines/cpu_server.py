@@ -34,6 +34,10 @@ log = logging.getLogger("belayer.cpu_engine")
 VERSION = "belayer-cpu-engine-0.1"
 _POISON_TOKEN_ID = -1  # test-only chaos switch (--chaos-poison-token-id); -1: off
 _PREFILL_MS_PER_1K = 0.0  # test-only chaos switch (--chaos-prefill-ms-per-1k-tokens): a slow prefill; 0: off
+# Test-only chaos switch (--chaos-step-ms-per-request, --chaos-step-free-requests): a saturated engine, whose
+# decode step grows by this many ms per running request beyond the free ones (a GPU past its memory-bound
+# batch size); 0: off
+_STEP_MS_PER_REQUEST, _STEP_FREE_REQUESTS = 0.0, 0
 
 # Sampling parameters SGLang accepts that this engine honours, and those it accepts but ignores because
 # they have no effect on the tiny model's single-sequence decoding (rejecting them would break trainers).
@@ -277,10 +281,13 @@ class Engine:
                     continue
                 results = await loop.run_in_executor(self._pool, self._step, batch)
             self.counters["steps"] += 1
-            if self.step_delay_s:
+            delay = self.step_delay_s
+            if _STEP_MS_PER_REQUEST > 0:  # chaos only: a saturated engine's step time grows with its batch
+                delay += max(0, len(batch) - _STEP_FREE_REQUESTS) * _STEP_MS_PER_REQUEST / 1000.0
+            if delay:
                 # Emulates a real model's per-step latency (the tiny model decodes a token in ~0.5 ms, far
                 # faster than any GPU engine), so fault timing and client overhead are representative.
-                await asyncio.sleep(self.step_delay_s)
+                await asyncio.sleep(delay)
             for req, tok, lp in results:
                 if req.finish_reason is not None:  # aborted while the step ran
                     continue
@@ -802,11 +809,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--chaos-prefill-ms-per-1k-tokens", type=float,
                    default=float(os.environ.get("BELAYER_CHAOS_PREFILL_MS_PER_1K", "0")),
                    help="test only: every prefill sleeps this long per 1000 prompt tokens (0: off)")
+    # Test-only (chaos): a saturated engine (hang detection's no-false-alarm test under load).
+    p.add_argument("--chaos-step-ms-per-request", type=float,
+                   default=float(os.environ.get("BELAYER_CHAOS_STEP_MS_PER_REQUEST", "0")),
+                   help="test only: each decode step takes this many ms more per running request beyond "
+                        "--chaos-step-free-requests (0: off)")
+    p.add_argument("--chaos-step-free-requests", type=int,
+                   default=int(os.environ.get("BELAYER_CHAOS_STEP_FREE_REQUESTS", "0")))
     args = p.parse_args(argv)
     skip_unused_imports()
-    global _POISON_TOKEN_ID, _PREFILL_MS_PER_1K
+    global _POISON_TOKEN_ID, _PREFILL_MS_PER_1K, _STEP_MS_PER_REQUEST, _STEP_FREE_REQUESTS
     _POISON_TOKEN_ID = args.chaos_poison_token_id
     _PREFILL_MS_PER_1K = args.chaos_prefill_ms_per_1k_tokens
+    _STEP_MS_PER_REQUEST, _STEP_FREE_REQUESTS = args.chaos_step_ms_per_request, args.chaos_step_free_requests
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     async def serve() -> None:

@@ -159,10 +159,10 @@ class HealthMonitor:
             self.progress.started(engine, incarnation, rid, prompt_tokens, time.monotonic())
             self._progress_wake.set()  # an idle engine turned busy: a new, maybe earlier, deadline
 
-    def tokens_seen(self, engine: str, incarnation: int, rid: str) -> None:
-        """New tokens of `rid` streamed back from the engine."""
+    def tokens_seen(self, engine: str, incarnation: int, rid: str, chunks: int = 1) -> None:
+        """New tokens of `rid` streamed back from the engine, in `chunks` stream chunks (one read)."""
         if self.cfg.progress.enabled:
-            self.progress.tokens(engine, incarnation, rid, time.monotonic())
+            self.progress.tokens(engine, incarnation, rid, time.monotonic(), chunks)
             ev, w = self._confirming.get(engine), self._watches.get(engine)
             if ev is not None and w is not None and w.incarnation == incarnation:
                 ev.set()

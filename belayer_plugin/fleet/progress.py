@@ -13,10 +13,16 @@ Armed, its silence deadline is
     last activity + max(floor_s, gap_multiplier x p95(recent gaps)) x 2^(probes it answered in this silence)
                   + prefill_s_per_1k_tokens x (prompt tokens of its requests that have no first token yet) / 1000
 
-where activity is a token, a request ending, the engine turning busy, or a re-baseline. The gaps are
-measured between consecutive tokens only (never across idle time, a pause, or a request's prefill from
-its start), so an engine that slows down gradually under load raises its own threshold, and a long
-prompt extends it for as long as its first token has not come.
+where activity is a token, a request ending, the engine turning busy, or a re-baseline. A gap is measured
+per request, between its consecutive reads, divided by the stream chunks the read brought (a coalesced read
+of 5 chunks 100 ms after the last is 5 gaps of 20 ms): never across idle time, a pause, or a request's
+prefill from its start. So an engine that slows down gradually under load raises its own threshold, and a
+long prompt extends it for as long as its first token has not come.
+
+Why per request: a batched engine sends one token per running request at each step, so the gaps between
+any two tokens of the engine are mostly the near-zero spread of one step's tokens. With 30 requests in a
+1 s step, 29 of every 30 engine-wide gaps are ~0 and the p95 misses the step entirely: the threshold fell
+to the floor and a saturated engine was suspected at every step. A request's own gaps are the step time.
 """
 
 from __future__ import annotations
@@ -50,10 +56,10 @@ class Stall:
 @dataclass
 class _Engine:
     incarnation: int
-    gaps: deque = field(default_factory=deque)
+    gaps: deque = field(default_factory=deque)  # recent per-chunk gaps of its requests
     warm_gaps: int = 0  # gaps seen since watched or since the fleet last resumed
     inflight: dict[str, int] = field(default_factory=dict)  # rid -> its prompt tokens while awaiting a first token, else 0
-    last_token: Optional[float] = None  # the last token seen (None: none since busy / rebaselined)
+    last_read: dict[str, float] = field(default_factory=dict)  # rid -> its last read since started / rebaselined
     last_served: Optional[float] = None  # the last token seen from this incarnation, ever
     last_activity: float = 0.0
     answered: int = 0  # probes answered (engine alive) during the current silence: each doubles the threshold
@@ -84,7 +90,8 @@ class ProgressTracker:
         """Back to serving: every silence counts from now, and each engine must warm up again."""
         self.suspended = False
         for e in self._engines.values():
-            e.warm_gaps, e.last_token, e.last_activity, e.answered, e.reported = 0, None, now, 0, False
+            e.warm_gaps, e.last_activity, e.answered, e.reported = 0, now, 0, False
+            e.last_read.clear()
 
     def answered(self, engine: str, incarnation: int, now: float) -> None:
         """A probe found the silent engine alive: its silence counts again from now, with a doubled threshold."""
@@ -104,19 +111,25 @@ class ProgressTracker:
         e = self._get(engine, incarnation)
         if e is None:
             return
-        if not e.inflight:  # idle -> busy: silence counts from here, and no gap spans the idle time
-            e.last_activity, e.last_token, e.answered, e.reported = now, None, 0, False
+        if not e.inflight:  # idle -> busy: silence counts from here
+            e.last_activity, e.answered, e.reported = now, 0, False
         e.inflight[rid] = max(0, int(prompt_tokens))
+        e.last_read.pop(rid, None)  # no gap spans its prefill
 
-    def tokens(self, engine: str, incarnation: int, rid: str, now: float) -> None:
-        """New tokens of `rid` streamed back from the engine."""
+    def tokens(self, engine: str, incarnation: int, rid: str, now: float, chunks: int = 1) -> None:
+        """New tokens of `rid` streamed back from the engine: one read of `chunks` stream chunks."""
         e = self._get(engine, incarnation)
         if e is None:
             return
-        if e.last_token is not None and not self.suspended:
-            e.gaps.append(max(0.0, now - e.last_token))
-            e.warm_gaps += 1
-        e.last_token = e.last_activity = e.last_served = now
+        chunks = max(1, int(chunks))
+        last = e.last_read.get(rid)
+        if not self.suspended:
+            if last is not None:
+                e.gaps.append(max(0.0, now - last) / chunks)
+                e.warm_gaps += chunks
+            else:
+                e.warm_gaps += chunks - 1  # the first chunk's wait is its prefill, not a gap
+        e.last_read[rid] = e.last_activity = e.last_served = now
         e.answered, e.reported = 0, False
         if rid in e.inflight:
             e.inflight[rid] = 0  # its prefill is done
@@ -126,9 +139,8 @@ class ProgressTracker:
         e = self._get(engine, incarnation)
         if e is None or e.inflight.pop(rid, None) is None:
             return
+        e.last_read.pop(rid, None)
         e.last_activity, e.reported = now, False
-        if not e.inflight:
-            e.last_token = None
 
     # ------------------------------------------------------------ verdicts
     def threshold(self, engine: str) -> Optional[float]:

@@ -129,11 +129,11 @@ class FleetSelector:
         if mon is not None and hasattr(mon, "request_started"):
             mon.request_started(target.engine, target.incarnation, rid, prompt_tokens)
 
-    def progressed(self, target: Target, rid: str) -> None:
-        """New tokens of `rid` streamed back from the target."""
+    def progressed(self, target: Target, rid: str, chunks: int = 1) -> None:
+        """New tokens of `rid` streamed back from the target, in `chunks` stream chunks."""
         mon = getattr(self.fleet, "monitor", None)
         if mon is not None and hasattr(mon, "tokens_seen"):
-            mon.tokens_seen(target.engine, target.incarnation, rid)
+            mon.tokens_seen(target.engine, target.incarnation, rid, chunks)
 
     def draining(self, target: Target, rid: Optional[str] = None) -> bool:
         """Whether the target's engine is being drained on purpose, or a drain cut `rid` there (a cut there is
@@ -284,7 +284,7 @@ class ResumableGenerator:
                 self.selector.started(target, log.rid, len(log.prompt_ids) + log.committed)
             try:
                 fr = await self._segment(log, seg, sp, seg_seed, on_progress, on_chunk,
-                                         None if seen is None else (lambda t=target: seen(t, log.rid)))
+                                         None if seen is None else (lambda n, t=target: seen(t, log.rid, n)))
                 seg.outcome, seg.t_end = "finished", time.time()
                 if fr is not None:
                     if fr.get("type") == "length":
@@ -375,7 +375,7 @@ class ResumableGenerator:
 
     async def _segment(self, log: ContextLog, seg: Segment, sp: dict, seed: Optional[int],
                        on_progress: Optional[ProgressFn], on_chunk: Optional[ChunkFn] = None,
-                       seen: Optional[Callable[[], None]] = None) -> Optional[dict]:
+                       seen: Optional[Callable[[int], None]] = None) -> Optional[dict]:
         """Runs one segment on seg's engine; returns the finish reason, or raises GenerateError."""
         attempt = len(log.segments) - 1
         if self.cfg.mode == "stream":
@@ -406,7 +406,7 @@ class ResumableGenerator:
 
     async def _stream_segment(self, log: ContextLog, seg: Segment, sp: dict, seed: Optional[int], attempt: int,
                               on_progress: Optional[ProgressFn], on_chunk: Optional[ChunkFn],
-                              seen: Optional[Callable[[], None]]) -> Optional[dict]:
+                              seen: Optional[Callable[[int], None]]) -> Optional[dict]:
         """Stream mode: commits the engine's cumulative chunks; returns the finish reason or raises GenerateError.
 
         A chunk is parsed and committed as it arrives only when something reads the committed state per token
@@ -447,11 +447,11 @@ class ResumableGenerator:
                 await apply(fallback)  # the newest did not parse: keep what the one before it holds
                 raise
 
-        def keep(newest: Optional[bytes], done: bool) -> None:  # lazy mode, per read: no parse
+        def keep(newest: Optional[bytes], done: bool, n: int = 1) -> None:  # lazy mode, per read: no parse
             nonlocal pending, prev
             if newest is not None:
                 if seen is not None:
-                    seen()
+                    seen(n)
                 pending, prev = newest, pending
                 if on_chunk is not None and not done and first:
                     on_chunk(newest, log, seg)
@@ -468,15 +468,15 @@ class ResumableGenerator:
             else:
                 events = stream_events(self._stream_session(), seg.url, body, timeout=timeout, read_timeout=timeout)
                 async with contextlib.aclosing(events):  # an early return closes the engine's stream at once
-                    async for newest, done in events:
+                    async for newest, done, n in events:
                         if newest is not None and eager:
                             if seen is not None:
-                                seen()
+                                seen(n)
                             fr = await apply(newest)
                             if fr is not None:
                                 return fr
                         else:
-                            keep(newest, done)
+                            keep(newest, done, n)
                         if done:
                             break
             fr = await flush()

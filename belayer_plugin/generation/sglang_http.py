@@ -61,7 +61,7 @@ async def generate_stream(client: Union[httpx.AsyncClient, aiohttp.ClientSession
     last: Optional[dict] = None
     events = stream_events(client, url, payload, timeout, read_timeout)
     async with contextlib.aclosing(events):  # an early return releases the connection at once
-        async for newest, done in events:
+        async for newest, done, _ in events:
             if newest is not None:
                 last = parse_chunk(url, newest)
                 yield last
@@ -86,10 +86,10 @@ def parse_chunk(url: str, data: bytes) -> dict:
 
 async def stream_events(client: Union[httpx.AsyncClient, aiohttp.ClientSession], url: str, payload: dict,
                         timeout: float, read_timeout: Optional[float] = None
-                        ) -> AsyncIterator[tuple[Optional[bytes], bool]]:
+                        ) -> AsyncIterator[tuple[Optional[bytes], bool, int]]:
     """POSTs a streaming /generate and yields, for each block read, (the newest complete `data:` payload in it,
-    unparsed, or None; whether `[DONE]` came); it stops after `[DONE]` and raises StreamBroken on an end
-    without it.
+    unparsed, or None; whether `[DONE]` came; how many payloads the block completed); it stops after `[DONE]`
+    and raises StreamBroken on an end without it.
 
     SGLang's chunks are cumulative, so a reader parses only the payload it needs: a client that only wants
     the final state and a resumable cut point parses one chunk per request, not one per token.
@@ -105,8 +105,8 @@ async def stream_events(client: Union[httpx.AsyncClient, aiohttp.ClientSession],
     tail = b""
     async with contextlib.aclosing(blocks):
         async for block in blocks:
-            newest, done, tail = newest_event(tail + block if tail else block)
-            yield newest, done
+            newest, done, tail, n = newest_event(tail + block if tail else block)
+            yield newest, done, n
             if done:
                 return
     raise StreamBroken(url, "stream ended without [DONE]")
@@ -180,16 +180,18 @@ async def _aiohttp_blocks(session: aiohttp.ClientSession, url: str, body: dict, 
                            delivered=not isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))) from e
 
 
-def newest_event(buf: bytes) -> tuple[Optional[bytes], bool, bytes]:
-    """(the last complete `data:` payload in buf, whether `[DONE]` came, the incomplete rest of buf).
+def newest_event(buf: bytes) -> tuple[Optional[bytes], bool, bytes, int]:
+    """(the last complete `data:` payload in buf, whether `[DONE]` came, the incomplete rest of buf, how many
+    complete payloads other than `[DONE]` buf held).
 
     SGLang's stream chunks are cumulative (each carries every id so far), so of the chunks that arrived
     together only the newest needs parsing: a reader that falls behind parses less, not a growing backlog.
+    The count tells token progress how many chunk intervals a coalesced read spans (fleet/progress.py).
     """
     end = buf.rfind(b"\n")
     if end < 0:
-        return None, False, buf
-    newest, done = None, False
+        return None, False, buf, 0
+    newest, done, n = None, False, 0
     for line in buf[:end].split(b"\n"):
         if line.startswith(b"data:"):
             data = line[5:].strip()
@@ -197,7 +199,8 @@ def newest_event(buf: bytes) -> tuple[Optional[bytes], bool, bytes]:
                 done = True
             elif not done:
                 newest = data
-    return newest, done, buf[end + 1:]
+                n += 1
+    return newest, done, buf[end + 1:], n
 
 
 async def get_json(client: httpx.AsyncClient, url: str, path: str, timeout: float) -> Any:

@@ -26,8 +26,9 @@ from yarl import URL
 
 from belayer_plugin.generation.sglang_http import GenerateError, StreamBroken, _http_error, newest_event
 
-# (the newest complete `data:` payload of a read, unparsed, or None; whether `[DONE]` came)
-OnData = Callable[[Optional[bytes], bool], None]
+# (the newest complete `data:` payload of a read, unparsed, or None; whether `[DONE]` came; how many payloads
+# the read completed)
+OnData = Callable[[Optional[bytes], bool, int], None]
 
 _MAX_HEAD = 64 * 1024  # a response head longer than this is not an engine's
 _MAX_ERROR_BODY = 64 * 1024  # what is kept of a non-200 answer's body (its message)
@@ -218,10 +219,10 @@ class _Response(asyncio.Protocol):
         return b"".join(out) if len(out) != 1 else out[0]
 
     def _events(self, body: bytes) -> None:
-        newest, done, self.tail = newest_event(self.tail + body if self.tail else body)
+        newest, done, self.tail, n = newest_event(self.tail + body if self.tail else body)
         if newest is not None or done:
             try:
-                self.on_data(newest, done)
+                self.on_data(newest, done, n)
             except Exception as e:  # noqa: BLE001 - the caller's own error, not the engine's: raised as it is
                 self._fail(e)
                 return
@@ -260,7 +261,7 @@ class _Response(asyncio.Protocol):
 
 async def read_stream(url: str, payload: dict, timeout: float, read_timeout: float, on_data: OnData,
                       coalesce_s: float = 0.0) -> None:
-    """POSTs a streaming /generate to `url` (an http base URL) and calls `on_data(newest, done)` from each read
+    """POSTs a streaming /generate to `url` (an http base URL) and calls `on_data(newest, done, n)` from each read
     that completes an SSE event; returns after `[DONE]`. With `coalesce_s` > 0 the socket is read at most that
     often (or when 64 KiB wait), so `on_data` sees the newest of several chunks. Raises StreamBroken on an end without it, a stall of
     `read_timeout` seconds or a failed connection (within `timeout`), GenerateError for a non-200 answer, and
