@@ -447,7 +447,7 @@ class ResumableGenerator:
                 await apply(fallback)  # the newest did not parse: keep what the one before it holds
                 raise
 
-        def keep(newest: Optional[bytes], done: bool, n: int = 1) -> None:  # lazy mode, per read: no parse
+        def keep(newest: Optional[bytes], done: bool, n: int) -> None:  # lazy mode, per read: no parse
             nonlocal pending, prev
             if newest is not None:
                 if seen is not None:
