@@ -158,7 +158,7 @@ async def _to_v1_with_golden(sg) -> None:
     e0 = sg.fm.slots["engine-0"].info.url
     sg.base = (await _ids(e0, PROMPTS[0]))["output_ids"]
     served = await sg.fm.refit(sg.v1, "v1")
-    assert served == {"engine-0": "v1", "engine-1": "v1"}
+    assert served == {"engine-0": "v1", "engine-1": "v1"}, _story(sg.events)
     outs = [await _ids(e0, p) for p in PROMPTS]  # one at a time: the fault-free run
     assert {o["meta_info"]["weight_version"] for o in outs} == {"v1"}
     sg.golden = [o["output_ids"] for o in outs]
@@ -166,6 +166,13 @@ async def _to_v1_with_golden(sg) -> None:
     assert all(len(g) == N for g in sg.golden) and len(set(sg.golden[0])) > 20  # not collapsed onto a token
     e1 = sg.fm.slots["engine-1"].info.url
     assert (await _ids(e1, PROMPTS[0]))["output_ids"] == sg.golden[0]
+
+
+def _story(events: EventLog) -> str:
+    """The fleet's events, one per line: a failed assertion says what the engines went through."""
+    t0 = events.events[0].t if events.events else 0.0
+    return "\n".join(f"{e.t - t0:8.2f} {e.subject} {e.kind} {e.from_state or ''}->{e.to_state or ''} "
+                     f"{e.reason} {e.figures}"[:300] for e in events.events if e.component != "recovery")
 
 
 def _kill_group(sg, slot_id: str, seen: int) -> None:
@@ -297,3 +304,54 @@ async def test_killed_engine_is_detected_deregistered_fenced_replaced_refit_to_v
 
 def _other(sid: str) -> str:
     return "engine-1" if sid == "engine-0" else "engine-0"
+
+
+
+@needs_sglang
+async def test_a_refit_that_meets_a_request_still_in_the_engine_waits_for_it_and_loads_without_a_restart(sg):
+    """SGLang loads the weights but answers 400, keeping the old version label, while a request is still in
+    its scheduler (one a client abandoned just before the refit, as after a partial rollout's abort). Here
+    an in-place pause holds it there, so that the case is certain. The fleet waits for it to drain and loads
+    again: every engine serves the new weights, none is fenced or restarted."""
+    fm, events = sg.fm, sg.events
+    await _to_v1_with_golden(sg)
+    assert fm.states() == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}, _story(events)
+    url = fm.slots["engine-0"].info.url
+    long = {"max_new_tokens": 3000, "temperature": 0.0, "ignore_eos": True}
+    streaming = asyncio.Event()
+
+    async def stream(c: httpx.AsyncClient) -> None:
+        n = 0
+        async with c.stream("POST", f"{url}/generate", json={"input_ids": [5, 6, 7], "stream": True,
+                                                              "sampling_params": long}) as r:
+            async for _ in r.aiter_lines():
+                n += 1
+                if n == 20:
+                    streaming.set()
+
+    async with httpx.AsyncClient(timeout=120) as c:
+        held = asyncio.create_task(stream(c))
+        try:
+            await asyncio.wait_for(streaming.wait(), 60)
+            assert (await c.post(f"{url}/pause_generation", json={"mode": "in_place"})).status_code == 200
+            t0 = time.time()
+            # Version "v2": the base weights again, so what each engine then generates shows what it holds.
+            refit = asyncio.create_task(fm.refit(sg.model, "v2"))
+            refused = await events.wait_for(ev("refit_refused", "engine-0"), 60, since=t0)
+            assert "cache was not flushed" in refused.reason, refused
+        finally:
+            held.cancel()  # the client goes away: SGLang aborts the request once it runs again
+            await asyncio.gather(held, return_exceptions=True)
+            assert (await c.post(f"{url}/continue_generation", json={})).status_code == 200
+        served = await asyncio.wait_for(refit, 120)
+    story = _story(events)
+    assert served == {"engine-0": "v2", "engine-1": "v2"}, story
+    episode = [e for e in events.events if e.t >= t0]
+    assert [e.subject for e in episode if e.kind == "refit_refused"] == ["engine-0"], story
+    assert not [e for e in episode if e.kind in ("weight_version_mismatch", "refit_failed", "killed")
+                or e.to_state in ("DEAD", "RESTARTING")], story
+    assert fm.states() == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}, story
+    for s in fm.slots.values():
+        out = await _ids(s.info.url, PROMPTS[0])
+        assert out["meta_info"]["weight_version"] == "v2"
+        assert out["output_ids"] == sg.base, f"{s.slot_id} does not serve the weights v2 names"

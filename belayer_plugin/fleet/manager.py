@@ -546,10 +546,16 @@ class FleetManager:
                 # Weights must be resident to be replaced (SGLang: resume the weights, not yet the KV cache).
                 await self._memory_call(s, "/resume_memory_occupation", ["weights"])
                 s.released.discard("weights")
-            # Bounded: a hung engine must not hold the refit (and the whole step) hostage.
-            r = await asyncio.wait_for(s.actor.call.remote(
-                "POST", "/update_weights_from_disk", {"model_path": path, "weight_version": want.version},
-                self.cfg.engines.startup_timeout_s), self.cfg.engines.startup_timeout_s)
+            r = await self._load_from_disk(s, path, want.version)
+            if r["status"] != 200:
+                # SGLang loads the weights, then refuses to flush its prefix cache while a request is still in
+                # its scheduler (one a client abandoned just before the refit, as a partial rollout's abort
+                # does) and answers 400, keeping the old version label. That engine is healthy: once the
+                # request has drained (the flush), the same load succeeds. Fencing it would cost a restart.
+                self.events.emit("fleet", s.slot_id, "refit_refused", f"HTTP {r['status']}: {r['body']}"[:300],
+                                 level="warning", version=want.version)
+                if await self.flush_cache(s, self.cfg.engines.flush_cache_timeout_s):
+                    r = await self._load_from_disk(s, path, want.version)
             version = await asyncio.wait_for(s.actor.weight_version.remote(), self.cfg.monitor.liveness_timeout_s * 5)
         except Exception as e:  # the engine died mid-refit: liveness reports it; nothing to do here
             self.events.emit("fleet", s.slot_id, "refit_failed", f"{type(e).__name__}: {e}"[:300], level="warning",
@@ -562,6 +568,35 @@ class FleetManager:
                              level="error", expected=want.version, actual=version)
             return False
         return True
+
+    async def _load_from_disk(self, s: Slot, path: str, version: str) -> dict:
+        # Bounded: a hung engine must not hold the refit (and the whole step) hostage.
+        t = self.cfg.engines.startup_timeout_s
+        return await asyncio.wait_for(s.actor.call.remote(
+            "POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version}, t), t)
+
+    async def flush_cache(self, s: Slot, timeout: float) -> bool:
+        """Flushes the engine's prefix cache once its requests have drained, within `timeout` s; False if not.
+
+        SGLang refuses a flush while any request runs or waits. Its `timeout` query makes the scheduler itself
+        wait for idle (no polling); an engine that answers at once instead (the CPU engine, a flush already
+        pending) is asked again with backoff until the deadline."""
+        loop = asyncio.get_running_loop()
+        end, delay = loop.time() + timeout, 0.05
+        while True:
+            left = end - loop.time()
+            try:
+                r = await asyncio.wait_for(s.actor.call.remote("POST", f"/flush_cache?timeout={max(left, 0):.3f}",
+                                                               None, left + 5), left + 5)
+                if isinstance(r, dict) and r.get("status") == 200:
+                    return True
+            except Exception:
+                if s.actor is None or not s.health.serving:
+                    return False  # it died: liveness and recovery take it from here
+            if loop.time() + delay > end:
+                return False
+            await asyncio.sleep(delay)  # backoff between refusals, not synchronisation
+            delay = min(delay * 2, 1.0)
 
     async def _match_phase(self, s: Slot) -> None:
         """A replacement joins in the fleet's phase (e.g. memory released while the trainer trains)."""

@@ -304,21 +304,9 @@ class BelayerSGLangMixin:
         timeout = self.belayer.engines.flush_cache_timeout_s
 
         async def flush(s: Any) -> bool:
-            # SGLang refuses a flush while requests run: retry until they drain (as NeMo-RL's refit does).
-            delay, loop = 0.05, asyncio.get_running_loop()
-            end = loop.time() + timeout
-            while True:
-                try:
-                    r = await asyncio.wait_for(s.actor.call.remote("POST", "/flush_cache", None), timeout)
-                    if isinstance(r, dict) and r.get("status") == 200:
-                        return True
-                except Exception:
-                    if not s.health.serving:
-                        return True  # it died: its replacement starts with an empty cache
-                if loop.time() + delay > end:
-                    return False
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+            # SGLang refuses a flush while requests run: the fleet waits for them to drain (as NeMo-RL's refit
+            # retries). An engine that died meanwhile is fine: its replacement starts with an empty cache.
+            return await self.belayer_fleet.flush_cache(s, timeout) or not s.health.serving
 
         async def all_() -> bool:
             rs = await asyncio.gather(*(flush(s) for s in self.belayer_fleet.serving_slots()))
