@@ -546,7 +546,7 @@ class FleetManager:
                 # Weights must be resident to be replaced (SGLang: resume the weights, not yet the KV cache).
                 await self._memory_call(s, "/resume_memory_occupation", ["weights"])
                 s.released.discard("weights")
-            r = await self._load_from_disk(s, path, want.version)
+            r = await self._load_from_disk(s.actor, path, want.version)
             if r["status"] != 200:
                 # SGLang loads the weights, then refuses to flush its prefix cache while a request is still in
                 # its scheduler (one a client abandoned just before the refit, as a partial rollout's abort
@@ -555,7 +555,7 @@ class FleetManager:
                 self.events.emit("fleet", s.slot_id, "refit_refused", f"HTTP {r['status']}: {r['body']}"[:300],
                                  level="warning", version=want.version)
                 if await self.flush_cache(s, self.cfg.engines.flush_cache_timeout_s):
-                    r = await self._load_from_disk(s, path, want.version)
+                    r = await self._load_from_disk(s.actor, path, want.version)
             version = await asyncio.wait_for(s.actor.weight_version.remote(), self.cfg.monitor.liveness_timeout_s * 5)
         except Exception as e:  # the engine died mid-refit: liveness reports it; nothing to do here
             self.events.emit("fleet", s.slot_id, "refit_failed", f"{type(e).__name__}: {e}"[:300], level="warning",
@@ -569,10 +569,10 @@ class FleetManager:
             return False
         return True
 
-    async def _load_from_disk(self, s: Slot, path: str, version: str) -> dict:
+    async def _load_from_disk(self, actor: Any, path: str, version: str, timeout: Optional[float] = None) -> dict:
         # Bounded: a hung engine must not hold the refit (and the whole step) hostage.
-        t = self.cfg.engines.startup_timeout_s
-        return await asyncio.wait_for(s.actor.call.remote(
+        t = self.cfg.engines.startup_timeout_s if timeout is None else timeout
+        return await asyncio.wait_for(actor.call.remote(
             "POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version}, t), t)
 
     async def flush_cache(self, s: Slot, timeout: float) -> bool:
@@ -712,9 +712,7 @@ class FleetManager:
         return True
 
     async def _update_weights_actor(self, actor: Any, want: Weights) -> bool:
-        r = await actor.call.remote("POST", "/update_weights_from_disk",
-                                    {"model_path": want.path or self.engine_model_path, "weight_version": want.version},
-                                    600.0)
+        r = await self._load_from_disk(actor, want.path or self.engine_model_path, want.version, 600.0)
         return r["status"] == 200 and await actor.weight_version.remote() == want.version
 
     # ----------------------------------------------------------------- trainer lifecycle
