@@ -20,6 +20,8 @@ import httpx
 
 from belayer_plugin.config import RouterConfig
 from belayer_plugin.engines.launch import free_port
+from belayer_plugin.ports import (PORT_ATTEMPTS, Ownership, PortClashError, describe_holders, listener_ownership,
+                                  log_says_address_in_use, log_size)
 
 
 class RouterError(RuntimeError):
@@ -34,13 +36,47 @@ class Router:
         self.log_dir = Path(log_dir)
         self.proc: Optional[subprocess.Popen] = None
         self.url = ""
+        self.prometheus_port = 0  # where its Prometheus exporter listens, once started
         self._client = httpx.AsyncClient()
 
     async def start(self) -> str:
-        """Starts the router (both its HTTP and Prometheus servers on cfg.host) and returns its URL."""
+        """Starts the router (both its HTTP and Prometheus servers on cfg.host) and returns its URL once the
+        process listening there is known to be the one started here.
+
+        A port from free_port() can be taken by another process (another job's router, another test) before
+        the router binds it; the router then dies with "Address already in use" while the other process
+        answers GET /workers in its place. So readiness needs both listeners held by our process
+        (ports.listener_ownership) before it probes, and a clash starts again on fresh ports
+        (ports.PORT_ATTEMPTS in all); a port fixed in the config that another process holds is a
+        RouterError naming it. All attempts together are bounded by startup_timeout_s."""
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        clashes: list[str] = []
+        for _ in range(PORT_ATTEMPTS):
+            port, prom = self._pick_ports()
+            try:
+                return await self._start_once(port, prom, deadline)
+            except PortClashError as e:
+                self.stop()
+                clashes.append(str(e))
+        raise RouterError(f"sglang-router lost its port to another process {PORT_ATTEMPTS} times: "
+                          + "; ".join(clashes))
+
+    def _pick_ports(self) -> tuple[int, int]:
+        """The HTTP and Prometheus ports for one start: the configured ones, else fresh free ports (distinct:
+        the first is not held while the second is picked, so the OS may offer it twice)."""
         host = self.cfg.host
         port = self.cfg.port or free_port(host)
-        prom = self.cfg.prometheus_port or free_port(host)
+        prom = self.cfg.prometheus_port
+        if not prom:
+            for _ in range(100):  # a repeat is rare; bounded all the same
+                prom = free_port(host)
+                if prom != port:
+                    break
+        return port, prom
+
+    async def _start_once(self, port: int, prom: int, deadline: float) -> str:
+        """One start on (port, prom); PortClashError if another process holds or took either port."""
+        host = self.cfg.host
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
                 "--prometheus-host", host, "--prometheus-port", str(prom), "--policy", self.cfg.policy,
                 "--request-timeout-secs", str(self.cfg.request_timeout_s),
@@ -49,19 +85,36 @@ class Router:
         if self.cfg.disable_retries:
             argv.append("--disable-retries")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_dir / "router.log", "ab") as logf:
+        log_path = self.log_dir / "router.log"
+        since = log_size(log_path)  # the log is appended to: only this start's lines count
+        with open(log_path, "ab") as logf:
             self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-        self.url = f"http://{host}:{port}"
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        self.url, self.prometheus_port = f"http://{host}:{port}", prom
+        fixed = {p for p in (self.cfg.port, self.cfg.prometheus_port) if p}
         while True:
+            own = {p: await asyncio.to_thread(listener_ownership, self.proc.pid, host, p) for p in (port, prom)}
+            foreign = [p for p, o in own.items() if o is Ownership.FOREIGN]
+            for p in foreign:
+                if p in fixed:  # no fresh port to move to: say who holds it
+                    self.stop()
+                    raise RouterError(f"sglang-router cannot listen on its configured port {p}: {host}:{p} is "
+                                      f"held by another process ({describe_holders(host, p)})")
+            if foreign:  # the router cannot bind it (or would share it): whatever answers there is not ours
+                raise PortClashError(host, foreign[0])
             if self.proc.poll() is not None:
-                raise RouterError(f"sglang-router exited with {self.proc.returncode}; see {self.log_dir / 'router.log'}")
-            try:
-                r = await self._client.get(f"{self.url}/workers", timeout=2.0)
-                if r.status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                pass
+                if log_says_address_in_use(log_path, since):  # lost a clash to a process that has gone since
+                    raise PortClashError(host, port, "sglang-router exited: its log reports a failed bind")
+                raise RouterError(f"sglang-router exited with {self.proc.returncode}; see {log_path}")
+            if all(o is Ownership.OURS for o in own.values()):
+                # Our process holds the listener before and after this request (it cannot pass to another
+                # process and back meanwhile), so our router answered it and nobody else.
+                try:
+                    r = await self._client.get(f"{self.url}/workers", timeout=2.0)
+                    if r.status_code == 200 and await asyncio.to_thread(
+                            listener_ownership, self.proc.pid, host, port) is Ownership.OURS:
+                        return self.url
+                except httpx.HTTPError:
+                    pass
             if time.monotonic() > deadline:
                 self.stop()
                 raise RouterError(f"sglang-router not ready after {self.cfg.startup_timeout_s} s")
