@@ -226,3 +226,24 @@ async def test_two_routers_given_the_same_free_port_both_start_on_distinct_ports
         for r in routers:
             await r.aclose()
 
+
+# --- the engine actor ------------------------------------------------------------------------------------
+
+
+async def test_engine_given_a_port_another_process_answers_health_on_starts_its_own_elsewhere(
+        ray_cluster, tiny_model, tmp_path, monkeypatch):
+    from belayer_plugin.engines.actor import EngineActor
+
+    async with foreign_server() as foreign:
+        monkeypatch.setattr("belayer_plugin.engines.actor.free_port", ports_then_free(foreign.port))
+        actor = EngineActor("engine-x", belayer_cfg().engines, tiny_model, str(tmp_path))
+        try:
+            info = await actor.start()
+            port = int(info.url.rsplit(":", 1)[1])
+            assert port != foreign.port
+            assert await _owned(info.pid, port) is Ownership.OURS
+            assert actor.server_alive() and info.weight_version == "default"
+            assert foreign.hits == []
+        finally:
+            await actor.stop()
+

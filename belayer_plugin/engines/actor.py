@@ -21,6 +21,8 @@ import httpx
 
 from belayer_plugin.config import EnginesConfig
 from belayer_plugin.engines.launch import free_port, server_command
+from belayer_plugin.ports import (PORT_ATTEMPTS, Ownership, PortClashError, listener_ownership, log_says_address_in_use,
+                                  log_size)
 
 
 class EngineStartError(RuntimeError):
@@ -118,32 +120,67 @@ class EngineActor:
         return self._http
 
     async def start(self) -> EngineInfo:
-        """Starts the server and returns once it answers /health; raises EngineStartError otherwise."""
+        """Starts the server and returns once it answers /health; raises EngineStartError otherwise.
+
+        /health counts only once the listener on the server's port is held by the server's own process tree
+        (ports.listener_ownership): a port from free_port() can be taken by another process before the
+        server binds it, and that process would answer in its place. On such a clash the server starts
+        again on a fresh port (ports.PORT_ATTEMPTS in all), all attempts within startup_timeout_s."""
         host = self.cfg.host
-        port = free_port(host)
-        argv, extra_env = server_command(self.cfg, self.model_path, host, port, self.initial_version)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{self.engine_id}.log"
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        clashes: list[str] = []
+        for _ in range(PORT_ATTEMPTS):
+            t0 = time.monotonic()
+            since = log_size(log_path)  # the log is appended to: only this attempt's lines count
+            port = free_port(host)
+            await self._launch(host, port, log_path)
+            try:
+                await self._await_healthy(host, port, log_path, since, deadline)
+            except PortClashError as e:
+                clashes.append(str(e))
+                await self._discard()
+                continue
+            self.started_s = time.monotonic() - t0
+            return await self.info()
+        raise EngineStartError(f"{self.engine_id}: another process took the server's port {PORT_ATTEMPTS} times: "
+                               + "; ".join(clashes))
+
+    async def _launch(self, host: str, port: int, log_path: Path) -> None:
+        argv, extra_env = server_command(self.cfg, self.model_path, host, port, self.initial_version)
         logf = open(log_path, "ab")
-        t0 = time.monotonic()
         self.proc = await asyncio.create_subprocess_exec(
             *argv, stdout=logf, stderr=asyncio.subprocess.STDOUT, env={**os.environ, **extra_env},
             start_new_session=True, preexec_fn=_die_with_parent)
         logf.close()
         self.url = f"http://{host}:{port}"
         asyncio.get_running_loop().create_task(self._reap())
-        deadline = t0 + self.cfg.startup_timeout_s
+
+    async def _await_healthy(self, host: str, port: int, log_path: Path, since: int, deadline: float) -> None:
+        """Returns once the server answers /health from a listener of its own; PortClashError when another
+        process holds its port (or took it, and the server's bind failed)."""
+        assert self.proc is not None
         client = self._client()
         while True:
+            own = await asyncio.to_thread(listener_ownership, self.proc.pid, host, port)
+            if own is Ownership.FOREIGN:  # the server cannot bind it (or would share it): not ours to probe
+                raise PortClashError(host, port)
             if self._exited.is_set():
+                if log_says_address_in_use(log_path, since):  # lost a clash to a process that has gone since
+                    raise PortClashError(host, port, "the server's log reports a failed bind")
                 raise EngineStartError(f"{self.engine_id}: server exited with {self.exit_code} during start-up; "
                                        f"log tail:\n{_tail(log_path)}")
-            try:
-                r = await client.get(f"{self.url}/health", timeout=5.0)
-                if r.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            if own is Ownership.OURS:
+                # The server's tree holds the listener before and after the probe (it cannot pass to another
+                # process and back meanwhile), so the server answered it and nobody else.
+                try:
+                    r = await client.get(f"{self.url}/health", timeout=5.0)
+                    if r.status_code == 200 and await asyncio.to_thread(
+                            listener_ownership, self.proc.pid, host, port) is Ownership.OURS:
+                        return
+                except httpx.HTTPError:
+                    pass
             if time.monotonic() > deadline:
                 await self.kill()
                 raise EngineStartError(f"{self.engine_id}: not healthy after {self.cfg.startup_timeout_s} s; "
@@ -153,13 +190,28 @@ class EngineActor:
                 await asyncio.wait_for(self._exited.wait(), 0.1)
             except asyncio.TimeoutError:
                 pass
-        self.started_s = time.monotonic() - t0
-        return await self.info()
+
+    async def _discard(self) -> None:
+        """Kills a server that lost its port and waits (bounded) for its exit, then forgets it: its exit is
+        not the engine's, and the next attempt gets a fresh exit event."""
+        assert self.proc is not None
+        try:  # the whole group, even if the leader has exited already (SGLang's children may not have)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            await asyncio.wait_for(self._exited.wait(), self.cfg.shutdown_timeout_s)
+        except asyncio.TimeoutError:
+            pass  # SIGKILLed: it cannot hold the port for long, and _die_with_parent ends it with the actor
+        self.proc, self.exit_code, self._exited = None, None, asyncio.Event()
 
     async def _reap(self) -> None:
-        assert self.proc is not None
-        self.exit_code = await self.proc.wait()
-        self._exited.set()
+        proc, exited = self.proc, self._exited
+        assert proc is not None
+        code = await proc.wait()
+        if self.proc is proc:  # not a server discarded after a port clash
+            self.exit_code = code
+        exited.set()
 
     async def info(self) -> EngineInfo:
         """Where the engine serves and which weights it holds."""
