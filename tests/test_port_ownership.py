@@ -247,3 +247,35 @@ async def test_engine_given_a_port_another_process_answers_health_on_starts_its_
         finally:
             await actor.stop()
 
+
+# --- a real SGLang server (outside Ray) ------------------------------------------------------------------
+
+
+def _sglang_cfg():
+    return belayer_cfg("belayer.engines.kind=sglang").engines
+
+
+def _no_sglang_venv() -> bool:
+    from belayer_plugin.engines.sglang import resolve_python
+
+    return not resolve_python(_sglang_cfg().sglang.python).is_file()
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_no_sglang_venv(), reason="no SGLang venv (bash .ci/setup_sglang.sh)")
+async def test_sglang_server_given_a_port_another_process_holds_serves_its_first_token_elsewhere(
+        tiny_model, tmp_path, monkeypatch):
+    from belayer_plugin.engines.sglang import start_sglang_server, stop_sglang_server
+
+    cfg = _sglang_cfg()
+    async with foreign_server() as foreign:
+        monkeypatch.setattr("belayer_plugin.engines.launch.free_port", ports_then_free(foreign.port))
+        proc, url, _ = await asyncio.to_thread(start_sglang_server, cfg, tiny_model, tmp_path / "server.log")
+        try:
+            port = int(url.rsplit(":", 1)[1])
+            assert port != foreign.port
+            assert await _owned(proc.pid, port) is Ownership.OURS
+            assert foreign.hits == []
+        finally:
+            await asyncio.to_thread(stop_sglang_server, proc, 3)

@@ -237,27 +237,78 @@ def launch_sglang_server(cfg: EnginesConfig, model_path: str, host: str, port: i
 def wait_first_token(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
     """Waits until `url` serves a one-token /generate; returns the seconds waited.
 
-    Raises RuntimeError if the process exits first, TimeoutError after `timeout_s`. A generation is the
-    readiness signal that matters (and what /health does internally, at a 1 s polling granularity).
+    Raises RuntimeError if the process exits first, TimeoutError after `timeout_s`, PortClashError (a
+    RuntimeError) if another process listens on the port. A generation is the readiness signal that
+    matters (and what /health does internally, at a 1 s polling granularity); it counts only while the
+    listener on the port is held by `proc` or its children (ports.listener_ownership): a port picked free
+    may be taken by another process before the server binds it.
     """
+    from urllib.parse import urlsplit
+
     import httpx
 
+    from belayer_plugin.ports import Ownership, PortClashError, listener_ownership
+
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
     with httpx.Client() as client:
         while True:
+            own = listener_ownership(proc.pid, host, port)
+            if own is Ownership.FOREIGN:
+                raise PortClashError(host, port)
             if proc.poll() is not None:
                 raise RuntimeError(f"SGLang server exited with {proc.returncode} before serving a token")
-            try:
-                r = client.post(f"{url}/generate", json=body, timeout=max(1.0, deadline - time.monotonic()))
-                if r.status_code == 200 and r.json().get("output_ids"):
-                    return time.monotonic() - t0
-            except (httpx.HTTPError, ValueError):
-                pass
+            if own is Ownership.OURS:  # held before and after the request: our server answered it
+                try:
+                    r = client.post(f"{url}/generate", json=body, timeout=max(1.0, deadline - time.monotonic()))
+                    if (r.status_code == 200 and r.json().get("output_ids")
+                            and listener_ownership(proc.pid, host, port) is Ownership.OURS):
+                        return time.monotonic() - t0
+                except (httpx.HTTPError, ValueError):
+                    pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"SGLang server at {url} served no token within {timeout_s} s")
             time.sleep(0.05)  # a starting server offers no event to await; the deadline bounds this
+
+
+def start_sglang_server(cfg: EnginesConfig, model_path: str, log_path: Path, *,
+                        weight_version: str = "default") -> tuple[subprocess.Popen, str, float]:
+    """Starts one server on a free port and waits for its first token; returns (process, URL, seconds from
+    the served attempt's process start to its first token).
+
+    A port that another process takes before the server binds it is a clash: the server (killed, if it
+    still runs) starts again on a fresh port, ports.PORT_ATTEMPTS in all, all within cfg.startup_timeout_s.
+    Raises what wait_first_token raises otherwise (the server stopped first)."""
+    from belayer_plugin.engines.launch import free_port
+    from belayer_plugin.ports import PORT_ATTEMPTS, PortClashError, log_says_address_in_use, log_size
+
+    host = cfg.host
+    deadline = time.monotonic() + cfg.startup_timeout_s
+    clashes: list[str] = []
+    for _ in range(PORT_ATTEMPTS):
+        port = free_port(host)
+        url = f"http://{host}:{port}"
+        since = log_size(log_path)  # the log is appended to: only this attempt's lines count
+        t0 = time.monotonic()
+        proc = launch_sglang_server(cfg, model_path, host, port, log_path, weight_version=weight_version)
+        try:
+            wait_first_token(url, proc, max(0.0, deadline - time.monotonic()))
+            return proc, url, time.monotonic() - t0
+        except PortClashError as e:
+            clashes.append(str(e))
+        except RuntimeError as e:
+            if not log_says_address_in_use(log_path, since):
+                stop_sglang_server(proc, cfg.shutdown_timeout_s)
+                raise
+            clashes.append(f"{e}: its log reports a failed bind on port {port}")  # the taker has gone since
+        except BaseException:
+            stop_sglang_server(proc, cfg.shutdown_timeout_s)
+            raise
+        stop_sglang_server(proc, cfg.shutdown_timeout_s)
+    raise RuntimeError(f"another process took the SGLang server's port {PORT_ATTEMPTS} times: " + "; ".join(clashes))
 
 
 def stop_sglang_server(proc: subprocess.Popen, grace_s: float = 10.0) -> Optional[int]:
@@ -282,15 +333,7 @@ def measure_sglang_cold_start(cfg: EnginesConfig, model_path: str, log_path: Opt
     """Seconds from process start to the first served token for one fresh server (stopped afterwards)."""
     import tempfile
 
-    from belayer_plugin.engines.launch import free_port
-
-    host = cfg.host
-    port = free_port(host)
     log = log_path or Path(tempfile.mkdtemp(prefix="belayer-sglang-")) / "server.log"
-    t0 = time.monotonic()
-    proc = launch_sglang_server(cfg, model_path, host, port, log)
-    try:
-        wait_first_token(f"http://{host}:{port}", proc, cfg.startup_timeout_s)
-        return time.monotonic() - t0
-    finally:
-        stop_sglang_server(proc, cfg.shutdown_timeout_s)
+    proc, _, seconds = start_sglang_server(cfg, model_path, log)
+    stop_sglang_server(proc, cfg.shutdown_timeout_s)
+    return seconds
