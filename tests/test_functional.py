@@ -21,7 +21,7 @@ FULL_ONLY = {
                                  "test_sglang_sampling.py (SIGKILL mid-generation on real SGLang, golden ids)",
     "engine_kill_refit": "tests/test_fleet_recovery.py::test_sigkill_mid_refit_restarts_onto_the_new_version (the "
                          "kill mid-refit, restart onto the new version) and the other engine scenarios of the main job",
-    "verl_replica_kill": "the same scenario in tests/test_hooks_verl_replicas.py",
+    "verl_replica_kill": "this script, through tests/test_verl_real_replicas.py (which judges its report)",
     "nemo_rl_engine_kill": "the mid-rollout handover in tests/test_hooks_nemo_rl.py",
 }
 FULL = os.environ.get("BELAYER_FULL_SUITE", "") == "1"

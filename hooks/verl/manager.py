@@ -7,8 +7,11 @@ additions, and nothing else:
 - the client becomes `BelayerLLMServerClient` over the same load balancer (token-level resume; in async modes
   weight-sync aborts are waited out, as verl's FullyAsyncLLMServerClient does);
 - `rollout.full_determinism` reaches Belayer's balancer (verl passes it only to its built-in one);
-- before each rollout, dead Belayer replicas of this trainer process are restarted, brought to the current
-  weights and re-admitted (v1 has no checkpoint manager option; the legacy trainer also has
+- the trainer's replicas (verl's vLLMReplica / SGLangReplica or Belayer's kind) heal themselves: a lifecycle
+  call that verl's own CheckpointEngineManager makes (sleep, wake_up, abort, resume, kv cache) first restarts
+  a replica whose server actor died, through verl's own `launch_servers` with a fresh server list
+  (`recovery.guard_replica`); before each rollout, restarted replicas that serve the current weights are
+  re-admitted (v1 has no checkpoint manager option; the legacy trainer also has
   `BelayerCheckpointEngineManager`).
 - per-step recovery metrics (`take_step_metrics`, names `belayer/...`) reach verl's own step metrics and its
   Tracking logger: the legacy manager adds them to `generate_sequences`' `meta_info["timing"]`, the v1 trainer
@@ -73,6 +76,7 @@ class BelayerManagerMixin:
             self.replicas = [r for r in replicas_in_process() if getattr(r, "belayer_owner", None) is None]
             for r in self.replicas:
                 r.belayer_owner = id(self)
+                self.recovery.guard(r)  # verl's own replica kinds: heal inside verl's checkpoint manager calls
         set_current_recovery(self.recovery)  # the legacy trainer's BelayerCheckpointEngineManager uses it
         self.step_metrics = StepMetrics()  # this process's share; the balancer holds the workers' share
         if self.recovery is not None:
@@ -122,7 +126,7 @@ class BelayerManagerMixin:
                 "verl's logger) or turn filter_groups off")
 
     async def heal_replicas(self) -> int:
-        """Restarts dead Belayer replicas of this process and admits them at the current weights."""
+        """Restarts dead replicas of this process and admits those that serve the current weights."""
         if self.recovery is None or not self.replicas:
             return 0
         return await self.recovery.heal_in_place(self.replicas)

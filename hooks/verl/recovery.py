@@ -32,9 +32,64 @@ from belayer_plugin.config import BelayerConfig
 from belayer_plugin.events import EventLog
 from belayer_plugin.fleet.health import EngineHealth, Signal, State
 from belayer_plugin.fleet.policy import FleetBelowFloorError, RestartPolicy
+from belayer_plugin.hooks.verl.replica import drop_servers, forget_server_handles
 
 __all__ = ["ReplicaRecovery", "BelayerCheckpointEngineManager", "FleetBelowFloorError", "current_recovery",
-           "set_current_recovery"]
+           "set_current_recovery", "guard_replica", "served_steps", "LIFECYCLE"]
+
+# verl's RolloutReplica calls that reach its server actors (CheckpointEngineManager gathers them over replicas)
+LIFECYCLE = ("wake_up", "sleep", "abort_all_requests", "resume_generation", "clear_kv_cache", "release_kv_cache",
+             "resume_kv_cache")
+
+
+async def served_steps(handle: Any) -> Optional[int]:
+    """The global steps (weights version) a verl server actor serves: verl's servers keep it in `global_steps`,
+    set by the trainer's weight sync (`set_global_steps`); read from the actor itself."""
+    return await handle.__ray_call__.remote(lambda server: getattr(server, "global_steps", None))
+
+
+def guard_replica(replica: Any, recovery: "ReplicaRecovery") -> None:
+    """Wraps the lifecycle calls of one verl replica object (instance attributes; the class is untouched).
+
+    verl's v1 trainer builds its own CheckpointEngineManager over the replica objects and gathers each call
+    over them: one dead server actor raises there and ends the run (vLLMReplica.sleep first calls
+    `servers[0].wait_for_requests_to_drain`). Guarded, a call first restarts a replica whose server Ray
+    reports gone (verl's own launch code, a fresh server list; STALE until the weight sync reaches it), and a
+    call that meets a death on the way restarts and calls again once. A retired replica's calls do nothing.
+    Belayer's own replica kind heals itself the same way (BelayerReplica._each) and is not wrapped."""
+    if getattr(replica, "_belayer_guarded", False):
+        return
+    from belayer_plugin.hooks.verl.replica import BelayerReplica
+
+    if isinstance(replica, BelayerReplica):
+        return
+
+    def wrap(name: str) -> Callable[..., Any]:
+        call = getattr(replica, name)
+
+        async def guarded(*args: Any, **kwargs: Any) -> Any:
+            if not recovery.cfg.use_fault_tolerance:
+                return await call(*args, **kwargs)
+            if recovery.retired(replica):
+                return None
+            why = await recovery.why_dead(replica)
+            if why and not await recovery.restart(replica, why):
+                return None
+            try:
+                return await call(*args, **kwargs)
+            except ray.exceptions.RayActorError as e:
+                why = await recovery.why_dead(replica) or f"{type(e).__name__} in {name}"
+                if not await recovery.restart(replica, why):
+                    return None
+                return await call(*args, **kwargs)
+
+        guarded.__name__ = name
+        return guarded
+
+    for name in LIFECYCLE:
+        if hasattr(replica, name):
+            setattr(replica, name, wrap(name))
+    replica._belayer_guarded = True
 
 _current: Optional["ReplicaRecovery"] = None  # this process's (set by Belayer's agent loop manager)
 
@@ -122,7 +177,9 @@ class ReplicaRecovery:
             self.policy.record_restart(key, self.clock())
             self._transition(h, Signal.RESTART_BEGUN, d.reason)
             try:
+                await drop_servers(replica, self.cfg.monitor.liveness_timeout_s + 10)
                 await replica.launch_servers()  # verl's replica API: new server actor(s) for this replica
+                await self._forget_cached_servers(replica)
             except Exception as e:  # noqa: BLE001  (a failed start is one more death against the budget)
                 why = f"restart failed: {type(e).__name__}: {e}"[:300]
                 self._transition(h, Signal.KILLED, why)
@@ -139,8 +196,8 @@ class ReplicaRecovery:
         if h is None or h.state is not State.STALE:
             return False
         handle = replica.server_handle
-        if steps is not None and hasattr(handle, "get_global_steps"):  # Belayer servers say what they serve
-            served = await handle.get_global_steps.remote()
+        if steps is not None:
+            served = await served_steps(handle)
             if served != steps:
                 self.events.emit("verl", key, "admit_refused", f"serves {served}, current {steps}", level="warning")
                 return False
@@ -150,6 +207,10 @@ class ReplicaRecovery:
         self.events.emit("verl", key, "admitted", f"at global steps {steps}", url=replica.server_address,
                          version=steps)
         return True
+
+    def retired(self, replica: Any) -> bool:
+        h = self.health.get(self.key(replica))
+        return h is not None and h.state is State.RETIRED
 
     def stale(self, replicas: list) -> list:
         return [r for r in replicas if self.health.get(self.key(r)) and self.health[self.key(r)].state is State.STALE]
@@ -163,17 +224,36 @@ class ReplicaRecovery:
         if not stale:
             return 0
         # verl's own checkpoint manager does not tell this process the version: the serving replicas say it
-        got = [await r.server_handle.get_global_steps.remote() for r in replicas
-               if all(r is not x for x in stale) and hasattr(r.server_handle, "get_global_steps")]
+        got = [await served_steps(r.server_handle) for r in replicas if all(r is not x for x in stale)]
         steps = max((g for g in got if g is not None), default=self.steps)
         n = 0
         for r in stale:
             handle = r.server_handle
-            if steps is not None and hasattr(handle, "load_weights") and \
-                    await handle.get_global_steps.remote() != steps:
+            if steps is not None and hasattr(handle, "load_weights") and await served_steps(handle) != steps:
                 await handle.load_weights.remote(steps)  # died after the last sync: load the current weights
+            # verl's servers load weights only from the trainer's sync: one that missed it stays STALE (not
+            # routed) until the next sync reaches it
             n += await self.admit(r, steps)
         return n
+
+    async def _forget_cached_servers(self, replica: Any) -> None:
+        """verl's hybrid rollout workers cache their server's actor handle: point them at the new one."""
+        workers = list(getattr(replica, "workers", None) or [])
+        if not workers:
+            return
+        try:
+            n = await asyncio.wait_for(asyncio.gather(*(w.__ray_call__.remote(forget_server_handles)
+                                                        for w in workers)), self.cfg.monitor.liveness_timeout_s + 10)
+        except Exception as e:  # noqa: BLE001  (a dead worker is a trainer fault, not this replica's)
+            self.events.emit("verl", self.key(replica), "workers_not_reset", f"{type(e).__name__}: {e}"[:300],
+                             level="warning")
+            return
+        if sum(n):
+            self.events.emit("verl", self.key(replica), "workers_reset", f"{sum(n)} server adapter(s)")
+
+    def guard(self, replica: Any) -> None:
+        """Makes a verl replica object heal itself before and after each lifecycle call (see `guard_replica`)."""
+        guard_replica(replica, self)
 
 
 class BelayerCheckpointEngineManager(CheckpointEngineManager):

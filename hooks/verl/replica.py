@@ -174,7 +174,7 @@ class BelayerReplica(RolloutReplica):
         self.dead: Optional[str] = None  # why the server is gone, once a lifecycle call found it so
         self.incarnation = 0
         self.belayer_owner: Optional[int] = None  # the agent loop manager that heals it (one per run)
-        _replicas.add(self)
+        _replicas.add(self)  # also done by track_replicas(); kept for a process that imported this module only
 
     async def init_standalone(self) -> None:
         """Standalone replica on CPU: no GPU resource pool, the server actor only."""
@@ -249,11 +249,100 @@ class BelayerReplica(RolloutReplica):
         await self._each("resume_kv_cache")
 
 
-def replicas_in_process() -> list[BelayerReplica]:
-    """The Belayer replicas built in this process (the trainer's), for recovery without trainer code."""
-    return sorted(_replicas, key=lambda r: r.replica_rank)
+def replicas_in_process() -> list[RolloutReplica]:
+    """The rollout replicas built in this process (the trainer's), of every kind (verl's vLLMReplica and
+    SGLangReplica as well as Belayer's), for recovery without trainer code. Reward and teacher replicas are
+    left out: they serve other models, which Belayer's recovery does not track."""
+    return sorted((r for r in _replicas if not (getattr(r, "is_reward_model", False) or
+                                                 getattr(r, "is_teacher_model", False))),
+                  key=lambda r: r.replica_rank)
+
+
+def track_replicas() -> None:
+    """Records every RolloutReplica built in this process from now on (idempotent).
+
+    verl's trainers keep their replicas inside LLMServerManager and CheckpointEngineManager and hand Belayer
+    neither; the plugin is imported at `import verl`, before any replica exists, so wrapping the base class's
+    constructor sees every replica of the run without a change to verl's code or the user's."""
+    init = RolloutReplica.__init__
+    if getattr(init, "_belayer_tracked", False):
+        return
+
+    def __init__(self: RolloutReplica, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        _replicas.add(self)
+
+    __init__._belayer_tracked = True  # type: ignore[attr-defined]
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    RolloutReplica.__init__ = __init__  # type: ignore[method-assign]
+
+
+async def drop_servers(replica: RolloutReplica, timeout_s: float) -> None:
+    """Kills what is left of a replica's server actors and empties its server list, so that verl's own
+    `launch_servers` starts a complete new set.
+
+    verl's vLLMReplica and SGLangReplica *append* to `servers` and then ask `servers[0]` (the dead actor) for
+    the master address, so a relaunch over the old list can never succeed. Their actors are named
+    (`vllm_server_<rank>_<node>`): a new one can take the name only once the old actor is gone, so this waits
+    (up to `timeout_s`) until Ray reports each of them dead."""
+    old = list(replica.servers)
+    for s in old:
+        try:
+            ray.kill(s, no_restart=True)
+        except Exception:  # noqa: BLE001  (already gone)
+            pass
+
+    async def gone(s: Any) -> None:
+        try:
+            await s.__ray_ready__.remote()
+        except ray.exceptions.RayActorError:
+            return
+        # ray.kill is asynchronous: a call that still answered means the kill has not landed yet
+        while True:
+            try:
+                await asyncio.wait_for(s.__ray_ready__.remote(), 1.0)
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                return
+            await asyncio.sleep(0.05)  # bounded by the caller's wait_for
+
+    if old:
+        await asyncio.wait_for(asyncio.gather(*(gone(s) for s in old)), timeout_s)
+    replica.servers = []
+    replica._server_handle = None
+    replica._server_address = None
+
+
+def forget_server_handles(worker: Any) -> int:
+    """Run inside a rollout worker actor (`__ray_call__`): drops the server handle verl's ServerAdapter cached
+    (`_ensure_server_handle` looks the named server actor up once), so its next call finds the restarted
+    server by name. Returns how many adapters it reset."""
+    from verl.workers.rollout.base import BaseRollout
+
+    seen: set[int] = set()
+    n = 0
+
+    def visit(obj: Any, depth: int) -> None:
+        nonlocal n
+        if depth > 3 or id(obj) in seen or not hasattr(obj, "__dict__"):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, BaseRollout) and hasattr(obj, "server_handle"):
+            obj.server_handle = None
+            n += 1
+            return
+        for v in list(vars(obj).values()):
+            if isinstance(v, dict):
+                for x in v.values():
+                    visit(x, depth + 1)
+            else:
+                visit(v, depth + 1)
+
+    visit(worker, 0)
+    return n
 
 
 def register() -> None:
-    """Makes `actor_rollout_ref.rollout.name=belayer` resolve to BelayerReplica (idempotent)."""
+    """Makes `actor_rollout_ref.rollout.name=belayer` resolve to BelayerReplica and starts tracking every
+    replica this process builds (idempotent)."""
     RolloutReplicaRegistry.register("belayer", lambda: BelayerReplica)
+    track_replicas()

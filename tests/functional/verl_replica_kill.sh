@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# Chaos scenario: verl_replica_kill. verl 0.9.1's own trainer objects on CPU (its composed ppo_trainer config
-# plus recipes/verl/belayer.yaml, LLMServerManager with two replicas of Belayer's replica kind, the recipe's
-# agent loop manager, BelayerCheckpointEngineManager) run 3 steps of the legacy trainer's sequence; at step 2
-# one replica's server actor is SIGKILLed mid-rollout. Survival: every step's batch (ids, masks, logprobs,
-# global steps) identical to the fault-free run, and every step started on both replicas.
+# Chaos scenario: verl_replica_kill. verl 0.9.1's own replica class (rollout.name=vllm: verl's vLLMReplica and
+# its launch_servers / sleep / abort code) under verl's composed ppo_trainer config plus recipes/verl/belayer.yaml,
+# in hybrid mode as the v1 sync trainer runs it: verl's LLMServerManager, the recipe's agent loop manager, and
+# the v1 trainer's own CheckpointEngineManager (rollout -> sleep -> weight sync, whose push wakes the server).
+# Faults: a replica's server actor SIGKILLed mid-rollout, and one SIGKILLed between the rollout and the trainer's
+# sleep; then the legacy trainer's checkpoint manager restarting verl's replica. Only the server process layer is
+# a stand-in (hooks/verl/standins.py: vLLM cannot share a process with verl here).
+# Survival: every step's batch identical to the fault-free run, verl's replica holding one new live server that
+# got the trainer's sleep and then the current weights before it was routed, and both replicas serving the last step.
+#   KIND=belayer  runs the older scenario on Belayer's own replica kind (rollout.name=belayer) instead.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${BELAYER_PY:-$ROOT/.venv/bin/python}
 : "${EXPECT:=survival}"
+: "${KIND:=vllm}"
 [ "$EXPECT" = survival ] || { echo "verl_replica_kill: only EXPECT=survival is defined" >&2; exit 2; }
 out=$(mktemp -d /tmp/belayer-verl-chaos-XXXXXX)
 cd "$ROOT"
-exec "$PY" -m tests.test_hooks_verl_replicas --report "$out/report.json" "$@"
+case "$KIND" in
+  vllm) exec "$PY" -m tests.test_verl_real_replicas --report "$out/report.json" "$@" ;;
+  belayer) exec "$PY" -m tests.test_hooks_verl_replicas --report "$out/report.json" "$@" ;;
+  *) echo "verl_replica_kill: KIND is vllm (verl's replica class) or belayer" >&2; exit 2 ;;
+esac
