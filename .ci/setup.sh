@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All set-up for Belayer on a fresh Debian machine of this kind. Idempotent: re-running only checks.
-#   bash .ci/setup.sh             the Belayer venv (.venv): torch CPU, Ray, sglang-router, transformers ...
+#   bash .ci/setup.sh             the Belayer venv (.venv): torch CPU, Ray, sglang-router, transformers, mkdocs ...
 #   bash .ci/setup.sh --sglang    also the real SGLang venv (.venv-sglang) and its stand-ins
 #   bash .ci/setup.sh --containers  also Podman, Docker, runc and CRIU >= 4.2
 #   bash .ci/setup.sh --verl      also verl 0.9.1 (into .venv) for the verl hook
@@ -34,10 +34,10 @@ if needs_install "$stamp" pyproject.toml .ci/constraints.txt; then
   log "installing Belayer and its dependencies into .venv"
   pip_q install -q --disable-pip-version-check --upgrade pip
   pip_q install -q --disable-pip-version-check -c .ci/constraints.txt "torch==2.13.0"
-  pip_q install -q --disable-pip-version-check -c .ci/constraints.txt -e ".[test]"
+  pip_q install -q --disable-pip-version-check -c .ci/constraints.txt -e ".[test,docs]"
   touch "$stamp"
 fi
-.venv/bin/python -c "import torch, ray, transformers, sglang_router, hydra; print('[setup] .venv ok: torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"
+.venv/bin/python -c "import torch, ray, transformers, sglang_router, hydra, mkdocs; print('[setup] .venv ok: torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__, 'mkdocs', mkdocs.__version__)"
 
 if [ $want_sglang = 1 ]; then bash .ci/setup_sglang.sh; fi
 if [ $want_containers = 1 ]; then bash .ci/setup_containers.sh; fi
