@@ -10,6 +10,14 @@ cache and never turns healthy), with Belayer's import stand-ins for torchvision 
 (see ``sglang_standins/README.md``). GPU flags follow SGLang's documented server arguments but are
 unverified here (no GPU on the machines this was written on).
 
+A trainer may hand over its own server arguments (``sglang_server_command(server_kwargs=...)``, or per
+engine actor the JSON object in ``$BELAYER_SGLANG_SERVER_ARGS``: the NeMo-RL hook puts NeMo-RL's
+``SGLangGenerationWorker._compute_server_args`` there). They are ServerArgs keyword arguments, converted
+generically (``foo_bar`` -> ``--foo-bar``; True -> the bare flag; False and None -> omitted; a list -> its
+values after one flag, as SGLang's ``nargs="+"`` options read them; a dict -> JSON) and win over
+``engines.sglang`` for every key they set, except those in BELAYER_OWNED_SERVER_ARGS (Belayer picks the
+port and the host it serves on, tracks the weight version, and names the model directory).
+
 What 0.5.23 answers on CPU (measured on the tiny model, one server):
 
 - ``GET /health`` and ``GET /health_generate``: the same handler. 503 while starting; then it submits a
@@ -43,6 +51,7 @@ tokenizer.json's pre-tokenizer where transformers 5 replaces it (see tiny_model.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -59,6 +68,13 @@ STANDINS_DIR = Path(__file__).resolve().parent / "sglang_standins"
 # Memory regions /release_memory_occupation and /resume_memory_occupation accept as tags (0.5.23's
 # sglang.srt.constants). No tags means all of them.
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+# A trainer's server arguments for the server an engine actor starts (a JSON object of ServerArgs keyword
+# arguments), set in that actor's Ray runtime_env: they differ per engine (NeMo-RL: base_gpu_id, random_seed).
+SERVER_ARGS_ENV = "BELAYER_SGLANG_SERVER_ARGS"
+# Server arguments that stay Belayer's whatever a trainer passes: Belayer picks the port (and the host it
+# serves on), starts the server with the weight version it tracks and names the model directory it loads.
+BELAYER_OWNED_SERVER_ARGS = ("model_path", "host", "port", "weight_version")
 
 
 def repo_root() -> Optional[Path]:
@@ -119,33 +135,86 @@ def sglang_env(cfg: Union[EnginesConfig, SGLangConfig], model_path: str = "",
     return env
 
 
-def sglang_server_command(cfg: EnginesConfig, model_path: str, host: str, port: int, *,
-                          weight_version: str = "default") -> tuple[list[str], dict[str, str]]:
-    """argv (``<cfg.sglang.python> -m sglang.launch_server ...``) and extra environment for one server."""
-    s = cfg.sglang
-    if s.device == "cpu" and s.tp_size != 1:
-        raise ValueError("engines.sglang.tp_size: must be 1 on device cpu")
-    argv = [str(resolve_python(s.python)), "-m", "sglang.launch_server",
-            "--model-path", model_path, "--host", host, "--port", str(port),
-            "--device", s.device, "--random-seed", str(s.random_seed), "--weight-version", weight_version]
+def server_kwargs_from_env(environ: Optional[dict[str, str]] = None) -> Optional[dict[str, Any]]:
+    """The server arguments in ``$BELAYER_SGLANG_SERVER_ARGS`` (None when unset or empty)."""
+    raw = (os.environ if environ is None else environ).get(SERVER_ARGS_ENV, "")
+    if not raw:
+        return None
+    kwargs = json.loads(raw)
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"${SERVER_ARGS_ENV}: must be a JSON object of SGLang server arguments, got {raw[:200]!r}")
+    return kwargs
+
+
+def server_args_argv(kwargs: dict[str, Any]) -> list[str]:
+    """ServerArgs keyword arguments as ``sglang.launch_server`` flags: ``foo_bar`` -> ``--foo-bar``; True -> the
+    bare flag (SGLang's booleans are store_true flags defaulting to False); False and None -> omitted (SGLang's
+    default then applies, which is what ServerArgs(**kwargs) would hold for a False flag); a list -> the flag
+    once, then each value (SGLang's list options are ``nargs="+"``), an empty list omitted; a dict -> JSON."""
+    argv: list[str] = []
+    for key, value in kwargs.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            if value:
+                argv += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def belayer_server_kwargs(s: SGLangConfig) -> dict[str, Any]:
+    """The server arguments ``engines.sglang`` sets, as ServerArgs keywords ("", 0 and false: SGLang chooses)."""
+    kwargs: dict[str, Any] = {"device": s.device, "random_seed": s.random_seed}
     if s.dtype:
-        argv += ["--dtype", s.dtype]
+        kwargs["dtype"] = s.dtype
     if s.attention_backend:
-        argv += ["--attention-backend", s.attention_backend]
+        kwargs["attention_backend"] = s.attention_backend
     if s.max_total_tokens > 0:
-        argv += ["--max-total-tokens", str(s.max_total_tokens)]
+        kwargs["max_total_tokens"] = s.max_total_tokens
     if s.mem_fraction_static > 0:
-        argv += ["--mem-fraction-static", str(s.mem_fraction_static)]
+        kwargs["mem_fraction_static"] = s.mem_fraction_static
     if s.tp_size > 1:
-        argv += ["--tp-size", str(s.tp_size)]  # GPU: unverified here
+        kwargs["tp_size"] = s.tp_size  # GPU: unverified here
     if s.device == "cpu":
         # No CUDA graphs on CPU (0.5.23's spelling; --disable-cuda-graph is deprecated and maps to this).
         # Warm-up only costs start-up time here: nothing to compile or capture.
-        argv += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled",
-                 "--skip-server-warmup"]
+        kwargs.update(cuda_graph_backend_decode="disabled", cuda_graph_backend_prefill="disabled",
+                      skip_server_warmup=True)
     elif s.enable_memory_saver:
         # GPU: lets /release_memory_occupation free weights and KV cache (a standby shadow). Unverified here.
-        argv.append("--enable-memory-saver")
+        kwargs["enable_memory_saver"] = True
+    return kwargs
+
+
+def sglang_server_command(cfg: EnginesConfig, model_path: str, host: str, port: int, *,
+                          weight_version: str = "default",
+                          server_kwargs: Optional[dict[str, Any]] = None) -> tuple[list[str], dict[str, str]]:
+    """argv (``<cfg.sglang.python> -m sglang.launch_server ...``) and extra environment for one server.
+
+    `server_kwargs` (default: ``$BELAYER_SGLANG_SERVER_ARGS``, set per engine actor by a trainer hook) are a
+    trainer's ServerArgs keywords: they win over ``engines.sglang`` for every key they set, except
+    BELAYER_OWNED_SERVER_ARGS (the arguments here). ``engines.sglang.extra_args`` come last, as given (raw
+    flags; argparse keeps an option's last occurrence)."""
+    s = cfg.sglang
+    if s.device == "cpu" and s.tp_size != 1:
+        raise ValueError("engines.sglang.tp_size: must be 1 on device cpu")
+    if server_kwargs is None:
+        server_kwargs = server_kwargs_from_env()
+    kwargs = belayer_server_kwargs(s)
+    kwargs.update({k: v for k, v in (server_kwargs or {}).items() if k not in BELAYER_OWNED_SERVER_ARGS})
+    if (kwargs.get("nnodes") or 1) > 1:
+        # One server process per node rank, rendezvousing at dist_init_addr: one Belayer engine actor starts
+        # one process on one node, so an engine spanning nodes cannot be one of its engines.
+        raise ValueError(f"SGLang server arguments: nnodes={kwargs['nnodes']}; Belayer runs single-node engines only")
+    argv = [str(resolve_python(s.python)), "-m", "sglang.launch_server",
+            "--model-path", model_path, "--host", host, "--port", str(port), "--weight-version", weight_version]
+    argv += server_args_argv(kwargs)
     argv += list(s.extra_args)
     threads = cfg.torch_threads if s.device == "cpu" else None
     return argv, sglang_env(cfg, model_path, threads)

@@ -28,11 +28,39 @@ weight-version fencing), NeMo-RL's own workers and router are not started, and:
   (one per refit), `victim_state` paused/serving follows finish/prepare.
 Knobs: `policy.generation.sglang_cfg.belayer` (a `belayer` section over recipes/belayer/default.yaml),
 validated at construction with every problem named at once (dotted paths in NeMo-RL's recipe).
+
+SGLang servers (`belayer.engines.kind: sglang`) run with NeMo-RL's own server arguments. Precedence, per key:
+1. Belayer's own: model_path, host, port, weight_version (Belayer picks each server's port, which NeMo-RL's
+   port allocator would otherwise pick, and tracks weight versions); NeMo-RL's nccl_port and dist_init_addr are
+   dropped (see nemo_rl_server_args: single-node engines only).
+2. NeMo-RL's: everything `SGLangGenerationWorker._compute_server_args` returns for the engine's rank and
+   base_gpu_id (tp/dp/pp/ep sizes, dtype, mem_fraction_static, context_length, enable_memory_saver =
+   needs_offload, enable_weights_cpu_backup = cpu_weight_backup, random_seed + rank, skip_server_warmup, ...),
+   computed by calling NeMo-RL's method (never a copy) and converted to `sglang.launch_server` flags
+   (belayer_plugin.engines.sglang.server_args_argv); each engine actor gets its own in its Ray runtime_env.
+3. `belayer.engines.sglang`, only for what NeMo-RL does not set (e.g. attention_backend, which NeMo-RL's
+   config declares but does not pass; extra_args, appended last). recipes/belayer/default.yaml's engines.sglang
+   is Belayer's CPU set-up (device cpu, float32, torch_native, max_total_tokens 8192, the .venv-sglang venv, the
+   import stand-ins on PYTHONPATH) and does not apply here: under NeMo-RL the device is "cuda" (SGLang's
+   default, and where NeMo-RL runs SGLang), every other default.yaml value is reset to "SGLang chooses", and the
+   interpreter is NeMo-RL's SGLang python (`python: nemo_rl`: what NeMo-RL's actor environment registry names
+   for SGLangGenerationWorker, resolved by NeMo-RL's make_actor_runtime_env; or an explicit path).
+CPU test mode: `belayer.engines.sglang.device: cpu` keeps Belayer's CPU set-up of default.yaml unchanged
+(today's CPU flags, .venv-sglang, stand-ins) and passes none of NeMo-RL's server arguments (its GPU memory
+saver, tensor parallelism and weights backup have no CPU path).
+GPU placement as NeMo-RL's SGLangGeneration._start_engines does it (unverified on GPU): engine i's base_gpu_id
+is the GPU id of the bundle NeMo-RL gives engine i, the actor sets Ray's RAY_EXPERIMENTAL_NOSET_*_VISIBLE_*
+flags and carries the driver's CUDA_VISIBLE_DEVICES, so the server sees the same devices as NeMo-RL's worker.
+Not carried over: the SGLANG_* environment defaults NeMo-RL writes inline in _start_engines (not callable
+without copying them; one of them, SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false, would make /health_generate,
+Belayer's readiness probe, answer without generating); set them in the Ray workers' environment if wanted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -44,6 +72,51 @@ from belayer_plugin.hooks._config import belayer_section
 
 P = "policy.generation.sglang_cfg"
 BASE_VERSION = "default"  # what an engine that no refit reached reports (Belayer's engines start with it)
+SGLANG_WORKER = "nemo_rl.models.generation.sglang.sglang_worker.SGLangGenerationWorker"
+NEMO_RL_PYTHON = "nemo_rl"  # engines.sglang.python: the interpreter NeMo-RL runs SGLangGenerationWorker with
+# engines.sglang under NeMo-RL on GPU, before the recipe's own belayer.engines.sglang: none of default.yaml's CPU
+# set-up; "", 0 and false let SGLang choose (NeMo-RL's server arguments set the rest, see the module docstring).
+NEMO_RL_GPU_SGLANG = {"python": NEMO_RL_PYTHON, "device": "cuda", "dtype": "", "attention_backend": "",
+                      "max_total_tokens": 0, "mem_fraction_static": 0, "standins_on_path": False, "extra_args": []}
+
+
+def nemo_rl_server_args(sglang_cfg: dict, *, rank: int, base_gpu_id: int, num_gpus_per_engine: int,
+                        gpus_per_node: int) -> dict[str, Any]:
+    """The SGLang server arguments NeMo-RL starts engine `rank` with: its own
+    `SGLangGenerationWorker._compute_server_args`, called on the plain class (Ray's actor-class metadata) with the
+    attributes its __init__ sets (its __init__ itself is not run: it also patches SGLang's installed files, in
+    NeMo-RL's SGLang venv, which it does when NeMo-RL starts a worker), less what Belayer owns.
+
+    base_gpu_id is the physical GPU id NeMo-RL gives the worker; the method maps it through this process's
+    CUDA_VISIBLE_DEVICES, which is what the worker sees too (NeMo-RL passes the driver's value to its workers, and
+    Belayer's engine actors get the same, see BelayerSGLangMixin.belayer_engine_env)."""
+    from nemo_rl.models.generation.sglang.sglang_worker import SGLangGenerationWorker  # noqa: PLC0415
+
+    worker = object.__new__(SGLangGenerationWorker.__ray_metadata__.modified_class)
+    worker.gpus_per_node, worker.sglang_cfg, worker.rank = gpus_per_node, sglang_cfg, rank
+    worker.base_gpu_id, worker.num_gpus_per_engine = base_gpu_id, num_gpus_per_engine
+    # host and port: Belayer's (it picks each server's port; the command sets both). nccl_port and
+    # dist_init_addr: NeMo-RL allocates them from its generation port band for multi-node engines, whose node
+    # ranks rendezvous at dist_init_addr. A single-node engine (nnodes == 1, all Belayer runs; more is refused
+    # in belayer_config_from_sglang_cfg and sglang_server_command) needs neither: SGLang's TP processes then
+    # meet at 127.0.0.1 on an nccl_port the server picks free itself, as the SGLang server does on its own.
+    kwargs = worker._compute_server_args(dist_init_addr=None, nccl_port=None, host=None, port=None)
+    if kwargs.get("nnodes", 1) != 1:
+        raise ValueError(f"NeMo-RL's SGLang engine spans {kwargs['nnodes']} nodes; Belayer runs single-node "
+                         "engines only")
+    for key in ("host", "port", "nccl_port", "dist_init_addr"):
+        kwargs.pop(key, None)
+    return kwargs
+
+
+def nemo_rl_sglang_python() -> str:
+    """The interpreter NeMo-RL runs its SGLang workers with: NeMo-RL's make_actor_runtime_env for
+    SGLangGenerationWorker (its actor environment registry: PY_EXECUTABLES.SGLANG, a `uv run --extra sglang` venv
+    that NeMo-RL builds on each node under NEMO_RL_VENV_DIR when missing, as it does before starting its own
+    workers; the driver's python with NEMO_RL_PY_EXECUTABLES_SYSTEM=1). Needs Ray up when it builds a venv."""
+    from nemo_rl.utils.venvs import make_actor_runtime_env  # noqa: PLC0415
+
+    return make_actor_runtime_env(SGLANG_WORKER)["py_executable"]
 
 
 def nemo_rl_topology(sglang_cfg: dict, num_gpus_per_node: Optional[int] = None) -> tuple[dict, list[str]]:
@@ -71,10 +144,18 @@ def nemo_rl_topology(sglang_cfg: dict, num_gpus_per_node: Optional[int] = None) 
             "needs_offload": srv["needs_offload"]}, []
 
 
+def nemo_rl_gpu_mode(engines: dict) -> bool:
+    """Whether Belayer's SGLang engines run with NeMo-RL's GPU server arguments: `kind: sglang` without the CPU
+    test mode (`belayer.engines.sglang.device: cpu`)."""
+    return engines.get("kind") == "sglang" and (engines.get("sglang") or {}).get("device", "cuda") != "cpu"
+
+
 def belayer_config_from_sglang_cfg(sglang_cfg: dict, num_gpus_per_node: Optional[int] = None) -> BelayerConfig:
     """The toggle and knobs from NeMo-RL's `policy.generation` (SGLangConfig); raises ConfigError naming all.
     With the toggle on, the number of engines follows NeMo-RL's topology (a different belayer.engines.num_engines
-    is an error)."""
+    is an error). SGLang engines get NeMo-RL's GPU set-up (NEMO_RL_GPU_SGLANG, tp_size, random_seed and
+    enable_memory_saver from NeMo-RL's config) under the recipe's belayer.engines.sglang, unless that asks for
+    the CPU test mode; see the module docstring for the precedence."""
     inner = (sglang_cfg or {}).get("sglang_cfg")
     if inner is None:
         raise ConfigError([f"{P}: missing"])
@@ -96,6 +177,21 @@ def belayer_config_from_sglang_cfg(sglang_cfg: dict, num_gpus_per_node: Optional
                 problems.append(f"{P}.belayer.engines.num_engines: {n} differs from NeMo-RL's {topo['num_engines']} "
                                 f"(sglang_server_config.num_gpus / num_gpus_per_engine); leave it unset")
             engines["num_engines"] = topo["num_engines"]
+            per_node = num_gpus_per_node or topo["num_gpus_per_engine"]
+            if nemo_rl_gpu_mode(engines) and topo["num_gpus_per_engine"] > per_node:
+                problems.append(f"{P}.sglang_server_config.num_gpus_per_engine: {topo['num_gpus_per_engine']} GPUs "
+                                f"span nodes of {per_node}; Belayer runs single-node SGLang engines only")
+    if nemo_rl_gpu_mode(engines):
+        from_nemo_rl: dict[str, Any] = {}
+        if isinstance(inner.get("tp_size"), int) and not isinstance(inner.get("tp_size"), bool):
+            from_nemo_rl["tp_size"] = inner["tp_size"]
+        if isinstance(inner.get("random_seed"), int) and not isinstance(inner.get("random_seed"), bool):
+            from_nemo_rl["random_seed"] = inner["random_seed"]
+        needs_offload = (inner.get("sglang_server_config") or {}).get("needs_offload")
+        if isinstance(needs_offload, bool):
+            from_nemo_rl["enable_memory_saver"] = needs_offload
+        # NeMo-RL's server arguments win over all of these per key anyway; these keep the config truthful.
+        engines["sglang"] = {**NEMO_RL_GPU_SGLANG, **from_nemo_rl, **(engines.get("sglang") or {})}
     section["engines"] = engines
     try:
         cfg = belayer_section(section, use_fault_tolerance=toggle, path=f"{P}.belayer")
@@ -198,10 +294,45 @@ class BelayerSGLangMixin:
                 self.pg_reordered_bundle_indices, self.pg_reordered_gpu_ids, _ = get_reordered_bundle(self.pg)
             else:  # no GPU ids to order by (NeMo-RL's probe task asks for a GPU share): bundle order
                 self.pg_reordered_bundle_indices = list(range(self.pg.bundle_count))
+        e = self.belayer.engines
+        if e.kind == "sglang" and e.sglang.device != "cpu":
+            if not self.pg_reordered_gpu_ids:
+                raise ConfigError([f"{P}.belayer.engines.sglang.device: {e.sglang.device} runs NeMo-RL's server "
+                                   "arguments, which need the GPU of NeMo-RL's bundle for each engine (a colocated "
+                                   "generation on a cluster with use_gpus); device: cpu is the CPU test mode"])
+            if e.sglang.python == NEMO_RL_PYTHON:
+                e.sglang.python = nemo_rl_sglang_python()
+
+    def belayer_engine_env(self, i: int) -> dict[str, str]:
+        """Environment of engine i's actor (and so of its server) with NeMo-RL's GPU server arguments: {} in the
+        CPU test mode and for CPU engines. As NeMo-RL's SGLangGeneration._start_engines sets up its worker i
+        (unverified on GPU): base_gpu_id = the GPU id of the bundle NeMo-RL gives engine i
+        (pg_reordered_gpu_ids[gpu_offset + i * GPUs per engine on a node]), rank = rank_offset + i, Ray told not to
+        set the visible devices (NeMo-RL's NOSET list), the driver's CUDA_VISIBLE_DEVICES passed through."""
+        e = self.belayer.engines
+        if e.kind != "sglang" or e.sglang.device == "cpu":
+            return {}
+        from belayer_plugin.engines.sglang import SERVER_ARGS_ENV  # noqa: PLC0415
+        from nemo_rl.models.generation.sglang.utils.ray_utils import (  # noqa: PLC0415
+            NOSET_VISIBLE_DEVICES_ENV_VARS_LIST,
+        )
+
+        local = min(self.num_gpus_per_engine, self.num_gpus_per_node)
+        base_gpu_id = int(self.pg_reordered_gpu_ids[self.gpu_offset + i * local])
+        kwargs = nemo_rl_server_args(self.sglang_cfg, rank=self.rank_offset + i, base_gpu_id=base_gpu_id,
+                                     num_gpus_per_engine=self.num_gpus_per_engine,
+                                     gpus_per_node=self.num_gpus_per_node)
+        env = {name: "1" for name in NOSET_VISIBLE_DEVICES_ENV_VARS_LIST}
+        if os.environ.get("CUDA_VISIBLE_DEVICES"):
+            env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+        env[SERVER_ARGS_ENV] = json.dumps(kwargs)
+        return env
 
     def belayer_actor_options(self, actor_id: str) -> dict:
         """Ray options for an engine ("engine-i") or standby ("shadow-k") actor: NeMo-RL's bundle for that
-        engine, with the resources NeMo-RL's own engine actors take there; {} when not colocated."""
+        engine, with the resources NeMo-RL's own engine actors take there, and its environment
+        (belayer_engine_env: a standby takes engine (k mod N)'s GPU and server arguments); {} when not
+        colocated."""
         if self.pg is None:
             return {}
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
@@ -212,10 +343,14 @@ class BelayerSGLangMixin:
         bundle = self.pg_reordered_bundle_indices[self.gpu_offset + i * local]
         self.belayer_placement[actor_id] = bundle
         share = min(0.2, 1 / self.cluster.max_colocated_worker_groups)
-        return {"num_cpus": share, "num_gpus": share if self.cluster.use_gpus else 0,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=bundle,
-                    placement_group_capture_child_tasks=True)}
+        options = {"num_cpus": share, "num_gpus": share if self.cluster.use_gpus else 0,
+                   "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                       placement_group=self.pg, placement_group_bundle_index=bundle,
+                       placement_group_capture_child_tasks=True)}
+        env = self.belayer_engine_env(i)
+        if env:
+            options["runtime_env"] = {"env_vars": env}
+        return options
 
     # ----------------------------------------------------------------- NeMo-RL's interface
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
