@@ -149,3 +149,40 @@ def test_plugin_entry_point_registers_belayer_at_import_verl_without_env_vars():
                           "RolloutReplicaRegistry as R\nprint('belayer' in R._registry)"],
                          capture_output=True, text=True, timeout=180, env={**env, "VERL_USE_EXTERNAL_PLUGINS": "none"})
     assert off.returncode == 0 and off.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_eos_ids_come_from_the_tokenizer_when_the_model_has_no_generation_config(tiny_model, tmp_path):
+    """verl's vLLM server says "completed" for a stop and for a length cut alike: without the model's EOS ids an
+    EOS that lands exactly on a chunk boundary reads as a length cut and generation runs past it. A model
+    directory without generation_config.json (and a config.json naming no EOS) still has a tokenizer."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from belayer_plugin.hooks.verl.client import BelayerLLMServerClient
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "generation_config.json").unlink(missing_ok=True)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.pop("eos_token_id", None)
+    (model / "config.json").write_text(json.dumps(cfg))
+    want = AutoTokenizer.from_pretrained(str(model)).eos_token_id
+    assert want is not None
+    client = object.__new__(BelayerLLMServerClient)  # only the config is read: no balancer, no Ray
+    client.config = OmegaConf.create({"actor_rollout_ref": {"model": {"path": str(model)}}})
+    client._eos = None
+    assert client._eos_ids() == frozenset({want})
+
+
+def test_context_room_follows_verls_server_rules():
+    from belayer_plugin.hooks.verl.client import BelayerLLMServerClient
+
+    client = object.__new__(BelayerLLMServerClient)
+    client.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "max_model_len": 100}}})
+    assert client._context_room(90) == 10 and client._context_room(100) == 0  # vLLM: max_model_len - len
+    client.config.actor_rollout_ref.rollout.name = "sglang"
+    assert client._context_room(90) == 9  # SGLang: max_model_len - len - 1
+    client.config.actor_rollout_ref.rollout.max_model_len = None
+    assert client._context_room(90) is None

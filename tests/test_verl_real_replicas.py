@@ -174,6 +174,37 @@ def _step(run: RealRun, victim=None, when: str = "", ckpt=None) -> dict:
     return rec
 
 
+CONTEXT_ROOM = 21
+
+
+def _prompt_ids(model: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from tests.test_hooks_verl_replicas import MESSAGES
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return [list(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)) for m in MESSAGES]
+
+
+def _context_limit(run: RealRun, prompt_ids: list[int]) -> dict:
+    """One request whose response reaches rollout.max_model_len: verl's own client (one uncut request; the
+    server clamps max_tokens to the room left) against Belayer's chunked client on the same server pool."""
+    from tests.test_hooks_verl_replicas import RESPONSE
+
+    sp = {"temperature": 0.0, "max_tokens": RESPONSE, "logprobs": False}
+
+    async def both():
+        verl_out = await run.servers.get_client().generate("ctx-verl", prompt_ids=list(prompt_ids),
+                                                           sampling_params=dict(sp))
+        ours = await run.agents.llm_client.generate("ctx-belayer", prompt_ids=list(prompt_ids), sampling_params=dict(sp))
+        return verl_out, ours
+
+    verl_out, ours = asyncio.run(both())
+    return {"prompt_len": len(prompt_ids), "verl_ids": list(verl_out.token_ids), "belayer_ids": list(ours.token_ids),
+            "belayer_stop_reason": ours.stop_reason}
+
+
 # each scenario: (replica index, when, the checkpoint manager) for the faulty step; a plain step follows
 PLAN = {"kill_mid_rollout": (1, "mid_rollout", "v1"), "kill_before_sleep": (0, "before_sleep", "v1"),
         "legacy_restart": (1, "mid_rollout", "legacy")}
@@ -190,14 +221,18 @@ def run_scenarios(names: list[str], model: str, tmp: Path) -> dict:
     cfg = verl_config(model, tmp, legacy=True)  # the legacy agent loop manager makes DataProto batches
     cfg.actor_rollout_ref.rollout.name = "vllm"  # verl's own replica kind
     cfg.actor_rollout_ref.rollout.custom = {"belayer": {"engines": {"cpu_step_delay_ms": 8, "startup_timeout_s": 120}}}
+    # a context limit that cuts the longest prompt's response at CONTEXT_ROOM tokens (not a chunk multiple)
+    prompts = _prompt_ids(model)
+    cfg.actor_rollout_ref.rollout.max_model_len = max(len(x) for x in prompts) + CONTEXT_ROOM
     run = RealRun(cfg)
     replica = run.ckpt.replicas[0]
     rep: dict = {"replica_class": f"{type(replica).__module__}.{type(replica).__qualname__}",
                  "checkpoint_manager": f"{type(run.ckpt).__module__}.{type(run.ckpt).__qualname__}",
-                 "golden": None, "scenarios": {}}
+                 "golden": None, "context_limit": None, "scenarios": {}}
     try:
         run.start()
         rep["golden"] = _step(run)
+        rep["context_limit"] = _context_limit(run, max(prompts, key=len))
         for name in names:
             index, when, manager = PLAN[name]
             victim = run.servers.get_replicas()[index]
@@ -335,6 +370,15 @@ def test_verls_vllm_replica_server_killed_before_the_trainers_sleep_is_restarted
     assert rep["checkpoint_manager"] == "verl.checkpoint_engine.base.CheckpointEngineManager"
     # the weight push went through the hybrid worker's cached handle: it had to be pointed at the new server
     assert any(e.endswith("workers_reset") for e in rep["events"]), rep["events"]
+
+
+def test_a_response_that_reaches_the_context_limit_ends_at_length_as_verls_own_uncut_request_does(report):
+    ctx = report["context_limit"]
+    assert ctx is not None, report["_output"][-3000:]
+    # verl's server clamps the uncut request to the room left; Belayer's chunks stop at the same token (the room
+    # is not a chunk multiple: the last chunk is clamped too, then the full context ends the request)
+    assert len(ctx["verl_ids"]) == CONTEXT_ROOM, ctx
+    assert ctx["belayer_ids"] == ctx["verl_ids"] and ctx["belayer_stop_reason"] == "length", ctx
 
 
 def test_legacy_trainer_restarts_verls_vllm_replica_through_its_own_launch_code(report):

@@ -399,7 +399,8 @@ class ResumableGenerator:
             if hit is not None:
                 return hit
             fr = _checked(meta.get("finish_reason") or {}, seg)
-            if fr.get("type") != "length" or log.remaining == 0:
+            # context_limit: the transport found the context full (an uncut request ends there at length too)
+            if fr.get("type") != "length" or log.remaining == 0 or fr.get("context_limit"):
                 return fr
             if got == 0:
                 raise GenerateError(seg.url, "engine returned no tokens for a chunk")

@@ -143,22 +143,59 @@ class BelayerLLMServerClient(LLMServerClient):
         n = getattr(rollout, "response_length", None)
         return n if isinstance(n, int) and n > 0 else None
 
+    def _model_dirs(self) -> list[str]:
+        """Local directories that hold the model's files: `model.local_path`, `model.path`, and for a remote path
+        (hdfs://...) verl's own local copy (`copy_to_local`, the copy verl's agent loop worker already made)."""
+        model = getattr(getattr(self.config, "actor_rollout_ref", None), "model", None)
+        dirs: list[str] = []
+        for key in ("local_path", "path", "tokenizer_path"):
+            v = model.get(key) if hasattr(model, "get") else getattr(model, key, None)
+            if isinstance(v, str) and v and v not in dirs:
+                dirs.append(v)
+        local: list[str] = []
+        for d in dirs:
+            if "://" in d:
+                try:
+                    from verl.utils.fs import copy_to_local
+
+                    d = copy_to_local(d, use_shm=bool(model.get("use_shm", False)) if hasattr(model, "get") else False)
+                except Exception:  # noqa: BLE001  (no copy: the other candidates decide)
+                    continue
+            local.append(d)
+        return local
+
     def _eos_ids(self) -> frozenset:
-        """The model's end-of-sequence ids (generation config and tokenizer), read once per process."""
+        """The model's end-of-sequence ids, read once per process from the first source that names them: the
+        generation config, the model config, then the tokenizer (local files only: never a hub download on the
+        request path). With none, a stop that lands exactly on a chunk boundary of a vLLM-contract server would
+        read as a length cut: that is said once, loudly."""
         if self._eos is None:
             ids: set[int] = set()
-            model = getattr(getattr(getattr(self.config, "actor_rollout_ref", None), "model", None), "path", None)
-            if model:
-                try:
-                    from transformers import GenerationConfig
-
-                    # local files only: never a hub download on the request path
-                    e = GenerationConfig.from_pretrained(model, local_files_only=True).eos_token_id
-                    ids.update(e if isinstance(e, list) else [e] if e is not None else [])
-                except Exception:  # noqa: BLE001  (no readable generation config: stop_token_ids alone decide)
-                    pass
+            for d in self._model_dirs():
+                for read in (_eos_from_generation_config, _eos_from_model_config, _eos_from_tokenizer):
+                    try:
+                        ids.update(read(d))
+                    except Exception:  # noqa: BLE001  (that source is absent or unreadable: try the next)
+                        continue
+                    if ids:
+                        break
+                if ids:
+                    break
+            if not ids:
+                _log.warning("belayer: no end-of-sequence id found for the model (%s): a stop that ends exactly on a "
+                             "chunk boundary of a vLLM server reads as a length cut", self._model_dirs())
             self._eos = frozenset(int(i) for i in ids)
         return self._eos
+
+    def _context_room(self, input_len: int) -> Optional[int]:
+        """How many tokens the server may still generate after `input_len` tokens (None: no limit known), as
+        verl's servers compute it: vLLM `max_model_len - len`, SGLang `max_model_len - len - 1`."""
+        rollout = getattr(getattr(self.config, "actor_rollout_ref", None), "rollout", None)
+        limit = rollout.get("max_model_len") if hasattr(rollout, "get") else getattr(rollout, "max_model_len", None)
+        if not isinstance(limit, int) or limit <= 0:
+            return None
+        name = rollout.get("name") if hasattr(rollout, "get") else getattr(rollout, "name", "")
+        return limit - input_len - (1 if name == "sglang" else 0)
 
     async def generate(self, request_id, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        image_data: Optional[list[Any]] = None, video_data: Optional[list[Any]] = None,
@@ -236,6 +273,15 @@ class BelayerLLMServerClient(LLMServerClient):
                 return out
             sp = dict(body["sampling_params"])
             n = sp.pop("max_new_tokens")
+            room = self._context_room(len(body["input_ids"]))
+            if room is not None and room < 1:
+                # The context is full. verl's servers raise for a request that cannot generate a token, where one
+                # uncut request would have ended here at length: end it so (the generator takes the flag).
+                return {"output_ids": [], "meta_info": {"finish_reason": {"type": "length", "length": 0,
+                                                                          "context_limit": True},
+                                                        "output_token_logprobs": None, "weight_version": ""}}
+            if room is not None:
+                n = min(n, room)
             sp.update(max_tokens=n, logprobs=body.get("return_logprob", False))
             wait = timeout
             while True:
@@ -285,6 +331,28 @@ class BelayerLLMServerClient(LLMServerClient):
                 served.routed_experts = routed  # the first chunk's rows cover the prompt too
             else:  # later chunks: only the rows of their new tokens
                 served.routed_experts = np.concatenate([served.routed_experts, routed[-len(ids):]])
+
+
+def _eos_from_generation_config(d: str) -> list[int]:
+    from transformers import GenerationConfig
+
+    return _ids(GenerationConfig.from_pretrained(d, local_files_only=True).eos_token_id)
+
+
+def _eos_from_model_config(d: str) -> list[int]:
+    from transformers import AutoConfig
+
+    return _ids(AutoConfig.from_pretrained(d, local_files_only=True).eos_token_id)
+
+
+def _eos_from_tokenizer(d: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return _ids(AutoTokenizer.from_pretrained(d, local_files_only=True).eos_token_id)
+
+
+def _ids(e: Any) -> list[int]:
+    return list(e) if isinstance(e, (list, tuple)) else [e] if e is not None else []
 
 
 def _rebuild(cls: type, config: Any, balancer: Any, partial_rollout: bool, kwargs: dict) -> "BelayerLLMServerClient":

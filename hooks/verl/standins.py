@@ -60,6 +60,7 @@ class VllmServerStandin(BelayerServer):
         super().__init__(name, belayer.engines, str(model), str(cache_dir(belayer) / "verl-servers"), "vllm", None)
         self.replica_rank, self.node_rank, self.workers = replica_rank, node_rank, workers
         self.cuda_visible_devices = cuda_visible_devices
+        self.max_model_len = _get(config, "max_model_len")
         self.inflight = 0
         self.slept = 0  # sleep calls this server received (tests read it)
         self._host: Optional[str] = None
@@ -79,10 +80,19 @@ class VllmServerStandin(BelayerServer):
         assert self._port is not None, "http server is not launched, port is None"
         return self._host, self._port
 
-    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       **kwargs: Any) -> Any:
+        # vLLMHttpServer.generate's context rule: no headroom is an error, else max_tokens is clamped to it
+        if self.max_model_len:
+            room = self.max_model_len - len(prompt_ids)
+            if room < 1:
+                raise ValueError(f"Prompt length ({len(prompt_ids)}) leaves no room to generate within the model's "
+                                 f"maximum context length ({self.max_model_len}); need at least 1 token of headroom.")
+            sampling_params = {**sampling_params, "max_tokens": min(int(sampling_params.get("max_tokens") or room),
+                                                                    room)}
         self.inflight += 1
         try:
-            return await super().generate(*args, **kwargs)
+            return await super().generate(request_id, prompt_ids, sampling_params, **kwargs)
         finally:
             self.inflight -= 1
             async with self._progress:
