@@ -232,7 +232,10 @@ def run_scenarios(names: list[str], model: str, tmp: Path) -> dict:
     try:
         run.start()
         rep["golden"] = _step(run)
-        rep["context_limit"] = _context_limit(run, max(prompts, key=len))
+        try:
+            rep["context_limit"] = _context_limit(run, max(prompts, key=len))
+        except Exception as e:  # noqa: BLE001  (the scenarios still run; the context test reads the error)
+            rep["context_limit"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         for name in names:
             index, when, manager = PLAN[name]
             victim = run.servers.get_replicas()[index]
@@ -374,7 +377,7 @@ def test_verls_vllm_replica_server_killed_before_the_trainers_sleep_is_restarted
 
 def test_a_response_that_reaches_the_context_limit_ends_at_length_as_verls_own_uncut_request_does(report):
     ctx = report["context_limit"]
-    assert ctx is not None, report["_output"][-3000:]
+    assert ctx is not None and "error" not in ctx, (ctx, report["_output"][-3000:])
     # verl's server clamps the uncut request to the room left; Belayer's chunks stop at the same token (the room
     # is not a chunk multiple: the last chunk is clamped too, then the full context ends the request)
     assert len(ctx["verl_ids"]) == CONTEXT_ROOM, ctx
