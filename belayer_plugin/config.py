@@ -83,13 +83,17 @@ class EnginesConfig:
     num_gpus_per_engine: float = _req()
     flush_cache_timeout_s: float = _req()  # a KV-cache flush is retried this long while requests drain
     drain_timeout_s: float = _req()  # a planned drain waits this long for the engine's requests to move
+    # a trainer's weight-stream request (NeMo-RL's refit) an engine has not answered in this long: the engine is
+    # fenced and the request absorbed (fleet/refit_gateway.py)
+    refit_request_timeout_s: float = _req()
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def problems(self) -> list[str]:
         out = []
         if self.num_engines < 1:
             out.append("num_engines: must be >= 1")
-        for name in ("startup_timeout_s", "shutdown_timeout_s", "flush_cache_timeout_s", "drain_timeout_s"):
+        for name in ("startup_timeout_s", "shutdown_timeout_s", "flush_cache_timeout_s", "drain_timeout_s",
+                     "refit_request_timeout_s"):
             if getattr(self, name) <= 0:
                 out.append(f"{name}: must be > 0")
         if self.torch_threads < 1:

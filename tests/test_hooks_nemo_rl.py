@@ -270,7 +270,11 @@ def test_refit_follows_tags_adopts_streamed_version_and_counts_one_step(nrl, set
     finally:
         del policy.stream_weights_via_http
     assert seen["phase"] == "refit" and seen["probing"] is False, "readiness probes ran while weights streamed"
-    assert seen["urls"] == [fm.slots["engine-0"].info.url, fm.slots["engine-1"].info.url]  # slot order
+    # one refit-gateway URL per slot, in slot order, each relaying to that slot's engine (fleet/refit_gateway.py)
+    gw = pg.belayer_gateway
+    assert seen["urls"] == [f"{gw.url}/slot/engine-0", f"{gw.url}/slot/engine-1"]
+    assert gw._pins == {sid: fm.slots[sid].info.url for sid in ("engine-0", "engine-1")}
+    assert gw.missed == {} and min(gw.relayed.values()) >= 2, gw.relayed  # buckets, then the cache flush
     assert policy.calls[-3:] == ["offload_before_refit", "stream_weights_via_http", "offload_after_refit"]
     assert fm.weights.version == "1" and fm.phase.value == "serving" and fm.monitor._serving.is_set()
     assert pg.belayer_step == step0 + 1, "the chaos step must count refits, not prepare calls"
@@ -347,8 +351,10 @@ def test_engine_handed_over_mid_rollout_stays_stale_until_the_next_refit_streams
     assert _generated(pg) == golden, "the remaining engine serves the current weights"
 
     pg.finish_generation()
-    urls = pg.get_rollout_engine_urls()
-    assert urls == [victim.info.url, fm.slots["engine-1"].info.url], "the replacement keeps its slot's rank"
+    pg.get_rollout_engine_urls()
+    pins = pg.belayer_gateway._pins
+    assert pins == {"engine-0": victim.info.url, "engine-1": fm.slots["engine-1"].info.url}, \
+        "the replacement keeps its slot's rank"
     grpo.refit_policy_generation(policy, pg, colocated_inference=True, _refit_buffer_size_gb=0.0005)
     assert fm.weights.version == "2" and fm.states() == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}
     assert {s.info.url for s in fm.slots.values()} <= _router_urls(pg)
@@ -409,15 +415,23 @@ def test_an_engine_not_serving_the_streamed_version_leaves_the_router_until_a_re
     assert e1.info.url in _router_urls(pg)
 
 
-def test_a_slot_without_an_engine_is_named_before_nemo_rl_streams(nrl, setup):
-    pg, _ = setup
+def test_a_retired_slot_misses_the_refit_and_the_fleet_goes_on_at_its_floor(nrl, setup):
+    """Retired (budget spent) at the floor: NeMo-RL's refit still streams by rank; the retired slot's share is
+    absorbed by the refit gateway and the remaining engine serves the new weights (no RuntimeError)."""
+    grpo, _ = nrl
+    pg, policy = setup
     fm = pg.belayer_fleet
     since = pg.belayer_events.events[-1].t
     os.kill(fm.slots["engine-0"].info.actor_pid, signal.SIGKILL)  # its restart budget (1) is spent: retired
     _wait(pg, lambda e: e.subject == "engine-0" and e.kind == "transition" and e.to_state == "RETIRED", since=since)
     pg.finish_generation()
-    with pytest.raises(RuntimeError, match=r"engine slot engine-0 \(policy ranks 0\.\.0\).*RETIRED"):
-        pg.get_rollout_engine_urls()
+    before = fm.weights.version
+    grpo.refit_policy_generation(policy, pg, colocated_inference=True, _refit_buffer_size_gb=0.0005)
+    assert pg.belayer_gateway.missed == {"engine-0": "no engine to stream to (state RETIRED)"}
+    assert fm.weights.version == str(int(before) + 1)
+    assert fm.states() == {"engine-0": "RETIRED", "engine-1": "HEALTHY"}
+    assert pg.verify_weight_versions() == {"engine-1": fm.weights.version}
+    assert all(len(t) == 12 for t in _generated(pg))  # engine-1 alone serves, at the new version
 
 
 # ----------------------------------------------------------------- chaos through the hook

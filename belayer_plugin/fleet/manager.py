@@ -520,8 +520,12 @@ class FleetManager:
         want = self.weights
         if s.served_version != want.version and want.external:
             # Only the trainer holds these weights: STALE (unrouted) until its next refit streams them here.
+            # Meanwhile it follows the fleet's phase like the others: a replacement must not hold a full
+            # engine's memory on a colocated GPU while the policy trains.
+            await self._match_phase(s)
             self.events.emit("fleet", s.slot_id, "awaiting_weights", f"serves {s.served_version}; version "
-                             f"{want.version} comes with the trainer's next refit", version=want.version)
+                             f"{want.version} comes with the trainer's next refit", version=want.version,
+                             released=sorted(s.released))
             return
         if s.served_version != want.version:
             ok = await self._update_weights(s, want)
@@ -721,9 +725,10 @@ class FleetManager:
         self.monitor.pause()
         self.phase = Phase.RELEASED if release_memory else Phase.PAUSED
         self.memory_released = release_memory
-        if release_memory:
+        if release_memory:  # every engine, STALE ones too (a replacement awaiting the trainer's weights)
             await asyncio.gather(*(self._release(s, ["kv_cache", "weights"]) for s in self.slots.values()
-                                   if s.actor is not None and s.health.serving), return_exceptions=True)
+                                   if s.actor is not None and (s.health.serving or s.health.state is State.STALE)),
+                                 return_exceptions=True)
         self.events.emit("fleet", "fleet", "phase", self.phase.value)
 
     async def _memory_call(self, s: Slot, path: str, tags: list[str]) -> dict:
@@ -732,8 +737,13 @@ class FleetManager:
             return await s.actor.call.remote("POST", path, {"tags": tags})
 
     async def _release(self, s: Slot, tags: list[str]) -> None:
-        await self._memory_call(s, "/release_memory_occupation", tags)
-        s.released.update(tags)
+        """Releases those of `tags` this engine still holds (a replacement released by _match_phase is not
+        released twice by the pause that follows)."""
+        want = [t for t in tags if t not in s.released]
+        if not want:
+            return
+        await self._memory_call(s, "/release_memory_occupation", want)
+        s.released.update(want)
 
     async def _resume_tags(self, s: Slot, tags: list[str]) -> None:
         """Resumes those of `tags` that this engine holds released (never one it does not: see Slot.released)."""

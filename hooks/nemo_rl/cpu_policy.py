@@ -43,7 +43,8 @@ def _stream_rank(state: dict, urls: list[str], per_engine: int, rank: int, versi
                  "start_idx": m.start_idx, "end_idx": m.end_idx} for m in b.get_metadata()]
         body = {"serialized_named_tensors": [encode_cpu_bucket(b.get_flattened_tensor(), meta)],
                 "load_format": "flattened_bucket", "flush_cache": False, "weight_version": str(version)}
-        r = httpx.post(f"{url}/update_weights_from_tensor", json=body, timeout=600)
+        # no timeout, as NeMo-RL's requests.post: an engine that hangs holds this rank (Belayer's gateway bounds it)
+        r = httpx.post(f"{url}/update_weights_from_tensor", json=body, timeout=None)
         r.raise_for_status()
         if not r.json().get("success", True):
             raise RuntimeError(f"Weight sync failed on rollout engine: {r.json().get('message')}")
@@ -60,7 +61,7 @@ def _stream_rank(state: dict, urls: list[str], per_engine: int, rank: int, versi
         post(bucket)
     for _ in range(flush_tries):  # as NeMo-RL: the flush is refused while requests still run
         try:
-            if httpx.get(f"{url}/flush_cache", timeout=10).status_code == 200:
+            if httpx.get(f"{url}/flush_cache", timeout=None).status_code == 200:  # NeMo-RL: no timeout either
                 return url
         except httpx.HTTPError:
             pass

@@ -263,6 +263,13 @@ class BelayerSGLangMixin:
         self.belayer_step = 0  # generation phases begun, one per refit (the chaos `step` trigger counts these)
         self.belayer_refit_open = False
         self.belayer_refit_targets: list[str] = []
+        from belayer_plugin.fleet.refit_gateway import RefitGateway
+
+        # NeMo-RL's policy workers stream weights to these per-slot URLs; the gateway binds where the router does
+        # (the address the trainer's processes already reach Belayer at)
+        self.belayer_gateway = RefitGateway(self.belayer_fleet, self.belayer.router.host,
+                                            self.belayer.engines.refit_request_timeout_s)
+        self.belayer_loop.run(self.belayer_gateway.start(), 30)
         self.belayer_chaos = attach_chaos(self.belayer, self.belayer_fleet)
         u = urlparse(self.belayer_fleet.url)
         self.router_ip, self.router_port = u.hostname, u.port
@@ -380,6 +387,8 @@ class BelayerSGLangMixin:
         fm = self.belayer_fleet
         reported = {}
         for sid in self.belayer_refit_targets:
+            if sid in self.belayer_gateway.missed:
+                continue  # missed part of the stream: whatever it reports, it is not the streamed weights
             s = fm.slots[sid]
             try:
                 reported[sid] = await asyncio.wait_for(s.actor.weight_version.remote(),
@@ -392,7 +401,10 @@ class BelayerSGLangMixin:
         # NeMo-RL's versions are counters: with several (never expected), the highest counter wins; the engines
         # reporting anything else leave the router as STALE.
         version = max(new, key=lambda v: (v.isdigit(), int(v) if v.isdigit() else 0, v))
-        return await fm.adopt_version(version, self.belayer_refit_targets)
+        # an engine that missed part of the stream may report the new version (every bucket carries it) over
+        # partial weights: it is never asked, so adopt_version takes it out of the router (STALE)
+        return await fm.adopt_version(version, [t for t in self.belayer_refit_targets
+                                                if t not in self.belayer_gateway.missed])
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
         if self.belayer_fleet is None:
@@ -406,21 +418,18 @@ class BelayerSGLangMixin:
             self.belayer_chaos.on_phase(phase, self.belayer_step)
 
     def get_rollout_engine_urls(self) -> list[str]:
+        """One URL per engine slot, in slot order (rank r streams to slot r // num_gpus_per_engine): the refit
+        gateway's URL for that slot (fleet/refit_gateway.py). An engine that dies or hangs during the stream,
+        or a slot without an engine (retired, or still restarting after the wait below), misses this refit
+        without failing it: it stays out of the router until a later refit streams to it. Below the healthy
+        floor: FleetBelowFloorError."""
         if self.belayer_fleet is None:
             return super().get_rollout_engine_urls()
         self.recover_before_refit()
-        per = self.num_gpus_per_engine
-        urls, targets = [], []
-        for i, (sid, s) in enumerate(self.belayer_fleet.slots.items()):
-            state = s.health.state.value
-            if s.info is None or state not in ("HEALTHY", "SUSPECT", "STALE"):
-                raise RuntimeError(f"Belayer: engine slot {sid} (policy ranks {i * per}..{(i + 1) * per - 1}) has no "
-                                   f"engine to stream weights to (state {state}); "
-                                   f"fleet: {self.belayer_fleet.states()}")
-            urls.append(s.info.url)
-            targets.append(sid)
+        self.belayer_fleet.raise_if_fatal()
+        targets = list(self.belayer_fleet.slots)
         self.belayer_refit_targets = targets
-        return urls
+        return self.belayer_gateway.open(targets)
 
     def recover_before_refit(self, timeout: Optional[float] = None) -> int:
         """Waits for recoveries under way (a no-op when nothing died); returns how many there were."""
@@ -467,6 +476,7 @@ class BelayerSGLangMixin:
         if self.belayer_chaos is not None:
             self.belayer_chaos.stop()
         try:
+            self.belayer_loop.run(self.belayer_gateway.close(), 30)
             self.belayer_loop.run(self.belayer_fleet.shutdown(), 120)
         finally:
             self.belayer_loop.stop()
