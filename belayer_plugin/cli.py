@@ -125,6 +125,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     c.add_argument("overrides", nargs="*")
     c.set_defaults(fn=_cmd_config)
 
+    nr = sub.add_parser("nemo-rl", help="run a NeMo-RL run script unchanged with Belayer's hook installed "
+                        "(recipe keys switch it on: policy.generation.sglang_cfg.use_fault_tolerance)")
+    nr.add_argument("script")
+    nr.add_argument("script_args", nargs=argparse.REMAINDER)
     m = sub.add_parser("models", help="models for tests and demos")
     msub = m.add_subparsers(dest="models_cmd", required=True)
     mt = msub.add_parser("make-tiny", help="build the tiny Qwen2 model and its tokenizer in DIR")
@@ -160,6 +164,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     rest = sys.argv[1:] if argv is None else list(argv)
     if rest[:1] == ["soak"]:  # its own parser, options and --help included
         return _cmd_soak(argparse.Namespace(rest=rest[1:]))
+    if rest[:1] == ["nemo-rl"]:  # everything after the script is the script's own (its --config, overrides)
+        from belayer_plugin.hooks.nemo_rl.launch import main as nemo_rl_main
+
+        return nemo_rl_main(rest[1:])
     args = p.parse_args(argv)
     try:
         rc = args.fn(args)
