@@ -125,6 +125,33 @@ def test_knobs_and_nemo_rl_topology_validated_all_at_once_with_recipe_paths(nrl,
     assert not belayer_config_from_sglang_cfg({"sglang_cfg": {"model_path": tiny_model}}).use_fault_tolerance
 
 
+def test_nemo_rls_own_sglang_fault_tolerance_beside_belayers_is_refused_at_start_up(nrl, tiny_model):
+    from belayer_plugin.config import ConfigError
+    from belayer_plugin.hooks.nemo_rl import belayer_config_from_sglang_cfg
+
+    cfg = _gen_cfg(tiny_model, True)
+    cfg["sglang_cfg"]["use_faulttolerance"] = True  # NeMo-RL's own switch (its open PR #3613)
+    with pytest.raises(ConfigError) as e:
+        belayer_config_from_sglang_cfg(cfg)
+    assert any("sglang_cfg.use_faulttolerance" in p and "switch one" in p for p in e.value.problems), e.value.problems
+    cfg["sglang_cfg"]["use_fault_tolerance"] = False  # Belayer off: NeMo-RL's own is NeMo-RL's business
+    assert belayer_config_from_sglang_cfg(cfg).use_fault_tolerance is False
+
+
+def test_memory_saver_without_a_cpu_weight_backup_is_refused_for_gpu_engines(nrl, tiny_model):
+    """NeMo-RL resumes generation without a refit (dynamic sampling); weights the memory saver dropped without a
+    backup would come back as garbage under a correct version label."""
+    from belayer_plugin.config import ConfigError
+    from belayer_plugin.hooks.nemo_rl import belayer_config_from_sglang_cfg
+
+    gpu = {"engines": {"kind": "sglang"}}
+    with pytest.raises(ConfigError) as e:
+        belayer_config_from_sglang_cfg(_gen_cfg(tiny_model, True, gpu, needs_offload=True, cpu_weight_backup=False))
+    assert any("sglang_server_config.cpu_weight_backup" in p for p in e.value.problems), e.value.problems
+    ok = belayer_config_from_sglang_cfg(_gen_cfg(tiny_model, True, gpu, needs_offload=True, cpu_weight_backup=True))
+    assert ok.engines.sglang.enable_memory_saver is True
+
+
 def test_shipped_recipe_composes_with_nemo_rls_grpo_sglang_recipe(nrl):
     """recipes/nemo_rl/belayer.yaml over NeMo-RL's own examples/configs/grpo_math_1B_sglang.yaml, loaded with
     NeMo-RL's config loader, validates (every interpolation resolved)."""

@@ -114,6 +114,23 @@ def _heals_at_the_next_refit(grpo, pg, policy, victim: str, old_url: str, since:
         assert [t[1] for t in r["meta_info"]["output_token_logprobs"]] == want[0], s.slot_id
 
 
+def test_check_weights_asks_every_engine_and_names_one_that_cannot_answer(gen):
+    pg, _ = gen
+    # Belayer's CPU engine has no /weights_checker (SGLang's debugging route): each slot is asked, and the
+    # first that cannot answer is named with what it said, instead of NeMo-RL's engines list being empty
+    with pytest.raises(RuntimeError, match=r"engine slot engine-\d .*/weights_checker answered HTTP 404"):
+        pg.check_weights("snapshot")
+
+
+def test_nemo_rls_coming_synchronizer_gets_the_per_slot_urls_and_a_refit_lock(gen):
+    pg, _ = gen
+    assert pg.recover_updatable_engines() == 0  # nothing died: nothing to wait for
+    urls, lock = pg.get_updatable_engines_and_lock()
+    assert urls == [f"{pg.belayer_gateway.url}/slot/engine-0", f"{pg.belayer_gateway.url}/slot/engine-1"]
+    with lock:
+        pass
+
+
 def test_an_engine_sigkilled_during_nemo_rls_weight_stream_misses_the_refit_then_rejoins_at_the_next(nrl, gen):
     grpo, _ = nrl
     pg, policy = gen

@@ -71,6 +71,7 @@ from belayer_plugin.config import BelayerConfig, ConfigError
 from belayer_plugin.hooks._config import belayer_section
 
 P = "policy.generation.sglang_cfg"
+UPSTREAM_FT_KEY = "use_faulttolerance"  # NeMo-RL's own switch in its open SGLang fault-tolerance PR (#3613)
 BASE_VERSION = "default"  # what an engine that no refit reached reports (Belayer's engines start with it)
 SGLANG_WORKER = "nemo_rl.models.generation.sglang.sglang_worker.SGLangGenerationWorker"
 NEMO_RL_PYTHON = "nemo_rl"  # engines.sglang.python: the interpreter NeMo-RL runs SGLangGenerationWorker with
@@ -164,6 +165,11 @@ def belayer_config_from_sglang_cfg(sglang_cfg: dict, num_gpus_per_node: Optional
     if not isinstance(toggle, bool):
         problems.append(f"{P}.use_fault_tolerance: must be true or false, got {toggle!r}")
         toggle = False
+    if toggle and inner.get(UPSTREAM_FT_KEY):
+        # NeMo-RL's own SGLang fault tolerance (its open PR #3613) would start its RolloutHealthMonitor and restart
+        # engines beside Belayer's fleet: two owners of the same engines.
+        problems.append(f"{P}.{UPSTREAM_FT_KEY}: NeMo-RL's own SGLang fault tolerance cannot run beside Belayer's "
+                        f"({P}.use_fault_tolerance); switch one of them off")
     section = dict(inner.get("belayer") or {})
     engines = dict(section.get("engines") or {})
     if inner.get("model_path") and not engines.get("model_path"):
@@ -190,6 +196,14 @@ def belayer_config_from_sglang_cfg(sglang_cfg: dict, num_gpus_per_node: Optional
         needs_offload = (inner.get("sglang_server_config") or {}).get("needs_offload")
         if isinstance(needs_offload, bool):
             from_nemo_rl["enable_memory_saver"] = needs_offload
+        if toggle and needs_offload is True and (inner.get("sglang_server_config") or {}).get(
+                "cpu_weight_backup") is False:
+            # The memory saver drops the weights at every finish_generation; NeMo-RL resumes engines without a
+            # refit (dynamic sampling: grpo.py calls prepare_for_generation() with no tags), which would then
+            # serve garbage under a correct version label, and so would a replacement Belayer released.
+            problems.append(f"{P}.sglang_server_config.cpu_weight_backup: must be true when needs_offload is true "
+                            "(weights released without a CPU backup come back as garbage when NeMo-RL resumes "
+                            "generation without a refit)")
         # NeMo-RL's server arguments win over all of these per key anyway; these keep the config truthful.
         engines["sglang"] = {**NEMO_RL_GPU_SGLANG, **from_nemo_rl, **(engines.get("sglang") or {})}
     section["engines"] = engines
@@ -263,6 +277,7 @@ class BelayerSGLangMixin:
         self.belayer_step = 0  # generation phases begun, one per refit (the chaos `step` trigger counts these)
         self.belayer_refit_open = False
         self.belayer_refit_targets: list[str] = []
+        self.belayer_refit_lock = threading.Lock()  # for NeMo-RL's coming synchronizer (see below)
         from belayer_plugin.fleet.refit_gateway import RefitGateway
 
         # NeMo-RL's policy workers stream weights to these per-slot URLs; the gateway binds where the router does
@@ -457,6 +472,42 @@ class BelayerSGLangMixin:
             return all(rs)
 
         return self.belayer_loop.run(all_(), timeout + 30)
+
+    def check_weights(self, action: str) -> list:
+        """NeMo-RL's check_weights (each engine's `/weights_checker`), on every engine slot in slot order: one
+        answer per engine; an engine that cannot answer raises, naming its slot (never an empty list)."""
+        if self.belayer_fleet is None:
+            return super().check_weights(action)
+        fm = self.belayer_fleet
+
+        async def one(sid: str) -> Any:
+            s = fm.slots[sid]
+            if s.info is None or not (s.health.serving or s.health.state.value == "STALE"):
+                raise RuntimeError(f"Belayer: engine slot {sid} has no engine to check (state "
+                                   f"{s.health.state.value})")
+            r = await s.actor.call.remote("POST", "/weights_checker", {"action": action})
+            if r["status"] != 200:
+                raise RuntimeError(f"Belayer: engine slot {sid} ({s.info.url}): /weights_checker answered HTTP "
+                                   f"{r['status']}: {str(r['body'])[:300]}")
+            return r["body"]
+
+        async def all_() -> list:
+            return list(await asyncio.gather(*(one(sid) for sid in fm.slots)))
+
+        return self.belayer_loop.run(all_(), 120)
+
+    # ----------------------------------------------------------------- NeMo-RL's coming SGLang FT interface
+    # Assumed from the description of NeMo-RL's open PR #3613 (its files are not in the snapshot Belayer tests
+    # against): its weight synchronizer calls recover_updatable_engines() before the first weights-onload RPC and
+    # get_updatable_engines_and_lock() for the engines to stream to and a lock that keeps recovery out of the
+    # refit. Belayer answers both from its own fleet, so a refit through that synchronizer keeps working.
+    def recover_updatable_engines(self) -> int:
+        """Waits for the fleet's recoveries under way; returns how many there were."""
+        return self.recover_before_refit()
+
+    def get_updatable_engines_and_lock(self) -> tuple[list[str], Any]:
+        """The per-slot URLs to stream weights to (get_rollout_engine_urls) and a lock held for the refit."""
+        return self.get_rollout_engine_urls(), self.belayer_refit_lock
 
     def get_step_metrics(self) -> dict[str, float]:
         """Belayer's recovery metrics since the previous call, `belayer/<name>` (deltas: zeros for a step without
