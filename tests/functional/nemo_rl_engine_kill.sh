@@ -5,6 +5,12 @@
 # engine's server SIGKILLed mid-rollout at step 2. EXPECT=survival: every batch completes; the restarted engine
 # stays out of the router until the next refit streams to it; then every engine serves the current version and
 # greedy outputs agree across engines.
+#   FAULT=rollout        (default) the kill above, mid-rollout at step 2
+#   FAULT=refit_sigkill  engine-0's server SIGKILLed during step 2's weight stream (once the stream reaches it)
+#   FAULT=refit_sigstop  engine-0's server SIGSTOPped during step 2's weight stream (fenced after
+#                        engines.refit_request_timeout_s, set to 5 s here)
+#   Refit faults: NeMo-RL's refit returns, step 2 generates on engine-1 at version 2 with engine-0 STALE and out of
+#   the router, and step 3's refit brings engine-0 back at version 3.
 # CPU replacements (README, NeMo-RL section): Belayer's CPU engines for SGLang, the tiny model for the 1B
 # policy, CpuStreamingPolicy for the policy's CUDA-IPC weight streaming, no NVTX markers.
 set -euo pipefail
@@ -18,7 +24,9 @@ if [ ! -d "$NEMO_RL/nemo_rl" ]; then
 fi
 out=$(mktemp -d /tmp/belayer-nemo-rl-XXXXXX)
 cd "$ROOT"
-BELAYER_NEMO_RL=$NEMO_RL OUT=$out EXPECT=$EXPECT "$PY" - "$@" <<'PYEOF'
+: "${FAULT:=rollout}"
+case "$FAULT" in rollout|refit_sigkill|refit_sigstop) ;; *) echo "nemo_rl_engine_kill: FAULT is rollout, refit_sigkill or refit_sigstop" >&2; exit 2 ;; esac
+BELAYER_NEMO_RL=$NEMO_RL OUT=$out EXPECT=$EXPECT FAULT=$FAULT "$PY" - "$@" <<'PYEOF'
 import os, signal, sys, time
 from pathlib import Path
 
@@ -46,7 +54,9 @@ cpu = [f"policy.model_name={tiny}", f"policy.tokenizer.name={tiny}", "policy.gen
        f"+policy.generation.sglang_cfg.belayer.run_dir={out}",
        "+policy.generation.sglang_cfg.belayer.shadow.shared_weights=false",
        "+policy.generation.sglang_cfg.belayer.monitor.probe_timeout_s=5",
-       "+policy.generation.sglang_cfg.belayer.restart.backoff_initial_s=0"]
+       "+policy.generation.sglang_cfg.belayer.restart.backoff_initial_s=0",
+       "+policy.generation.sglang_cfg.belayer.engines.refit_request_timeout_s=5"]
+FAULT = os.environ["FAULT"]
 cfg = parse_hydra_overrides(cfg, cpu + sys.argv[1:])
 master = OmegaConf.to_container(cfg, resolve=True)
 gen_cfg = master["policy"]["generation"]
@@ -89,12 +99,40 @@ try:
             for p in policy.model.parameters():
                 p.mul_(1.0 + 0.05 * step)  # "training"
         t = time.monotonic()
-        grpo.refit_policy_generation(policy, pg, colocated_inference=True, _refit_buffer_size_gb=0.001)
+        refit_fault = step == 2 and FAULT != "rollout"
+        if refit_fault:  # the fault lands once NeMo-RL's stream reaches engine-0 (through Belayer's refit gateway)
+            victim = fm.slots["engine-0"]
+            since = ev.events[-1].t
+
+            def stream(rollout_engine_urls, buffer_size_bytes, _v=victim.info.pid):
+                refs = type(policy).stream_weights_via_http(policy, rollout_engine_urls, buffer_size_bytes)
+                loop = __import__("asyncio").new_event_loop()
+                loop.run_until_complete(ev.wait_for(lambda e: e.kind == "refit_relayed" and e.subject == "engine-0",
+                                                    timeout=120, since=since))
+                loop.close()
+                global kill_t
+                kill_t = time.time()
+                os.kill(_v, signal.SIGSTOP)
+                if FAULT == "refit_sigkill":
+                    os.kill(_v, signal.SIGKILL)
+                return refs
+
+            policy.stream_weights_via_http = stream
+        try:
+            grpo.refit_policy_generation(policy, pg, colocated_inference=True, _refit_buffer_size_gb=0.0001)
+        finally:
+            policy.__dict__.pop("stream_weights_via_http", None)
         refit_s = time.monotonic() - t
         states = fm.states()
-        if fm.weights.version != str(step) or set(states.values()) != {"HEALTHY"}:
+        if refit_fault:
+            print(f"step 2: the refit returned in {refit_s:.1f} s; engine-0 missed it: {pg.belayer_gateway.missed}")
+            if fm.weights.version != "2" or states["engine-1"] != "HEALTHY" or states["engine-0"] == "HEALTHY" \
+                    or "engine-0" not in pg.belayer_gateway.missed:
+                problems.append(f"step 2: after a refit fault version {fm.weights.version}, states {states}, "
+                                f"missed {pg.belayer_gateway.missed}")
+        elif fm.weights.version != str(step) or set(states.values()) != {"HEALTHY"}:
             problems.append(f"step {step}: after refit version {fm.weights.version}, states {states}")
-        if step == 2:  # mid-rollout: SIGKILL engine-0's server, then generate at once
+        if step == 2 and FAULT == "rollout":  # mid-rollout: SIGKILL engine-0's server, then generate at once
             victim = fm.slots["engine-0"]
             kill_t = time.time()
             os.killpg(victim.info.pid, signal.SIGKILL)
