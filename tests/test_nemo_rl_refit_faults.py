@@ -65,7 +65,7 @@ def _server_info(url: str) -> dict:
     return httpx.get(f"{url}/server_info", timeout=30).json()
 
 
-def _refit_with_fault(grpo, pg, policy, victim: str, fault: str) -> dict:
+def _refit_with_fault(grpo, pg, policy, victim: str, fault: str, synchronizer: bool = False) -> dict:
     """NeMo-RL's refit; once the stream reaches `victim`'s engine, its server process gets the fault
     (SIGKILL: stopped first, so the kill lands while the stream still flows to it; SIGSTOP: left hung)."""
     fm = pg.belayer_fleet
@@ -84,7 +84,14 @@ def _refit_with_fault(grpo, pg, policy, victim: str, fault: str) -> dict:
     policy.stream_weights_via_http = stream
     t0 = time.monotonic()
     try:
-        grpo.refit_policy_generation(policy, pg, colocated_inference=True, _refit_buffer_size_gb=BUCKET_GB)
+        if synchronizer:  # NeMo-RL's own HTTP weight synchronizer (the single-controller path's refit)
+            from nemo_rl.weight_sync.http_weight_synchronizer import HTTPWeightSynchronizer
+
+            sync = HTTPWeightSynchronizer(policy=policy, generation=pg, refit_buffer_size_gb=BUCKET_GB)
+            sync.sync_weights()
+            assert sync.is_stale is False
+        else:
+            grpo.refit_policy_generation(policy, pg, colocated_inference=True, _refit_buffer_size_gb=BUCKET_GB)
     finally:
         del policy.stream_weights_via_http
     return {"took_s": time.monotonic() - t0, "pid": pid, "url": url, "since": since}
@@ -193,6 +200,29 @@ def test_an_engine_restarted_while_the_trainer_trains_has_its_memory_released_li
     grpo.refit_policy_generation(policy, pg, colocated_inference=True, _refit_buffer_size_gb=BUCKET_GB)
     assert fm.states() == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}
     assert all(_server_info(s.info.url)["memory_released"] is False for s in fm.slots.values())
+
+
+def test_nemo_rls_http_weight_synchronizer_survives_an_engine_killed_during_its_stream(nrl, gen):
+    """The single-controller (async GRPO) path refits through NeMo-RL's HTTPWeightSynchronizer: the same calls."""
+    grpo, _ = nrl
+    pg, policy = gen
+    fm = pg.belayer_fleet
+    pg.prepare_for_generation()
+    pg.finish_generation()
+    _train(policy)
+    f = _refit_with_fault(grpo, pg, policy, "engine-0", "sigkill", synchronizer=True)
+    # the version NeMo-RL's worker streamed (its per-worker counter) is the fleet's now
+    assert set(pg.belayer_gateway.missed) == {"engine-0"} and fm.weights.version == str(policy.weight_version)
+    assert pg.verify_weight_versions() == {"engine-1": fm.weights.version}
+    _heals_at_the_next_refit(grpo, pg, policy, "engine-0", f["url"], f["since"])
+
+
+def test_the_generation_object_refuses_to_be_shipped_to_another_process_with_a_clear_error(gen):
+    import ray.cloudpickle as cloudpickle
+
+    pg, _ = gen
+    with pytest.raises(TypeError, match="cannot be sent to another process.*use_fault_tolerance=false"):
+        cloudpickle.dumps(pg)
 
 
 def test_below_the_healthy_floor_the_refit_url_request_raises_the_typed_error(nrl, nrl_cluster, tiny_model, tmp_path):

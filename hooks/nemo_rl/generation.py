@@ -473,6 +473,18 @@ class BelayerSGLangMixin:
 
         return self.belayer_loop.run(all_(), timeout + 30)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # NeMo-RL's single-controller setup may ship the generation object to a Ray actor. With fault tolerance
+        # on, this object owns the fleet (its event loop thread, the engine actors' watchers, the refit gateway)
+        # in the process that built it: a copy elsewhere would be a second, blind owner. Say so plainly instead
+        # of a pickling error about a thread lock.
+        if self.belayer_fleet is None:
+            return super().__reduce_ex__(protocol)
+        raise TypeError("Belayer's fault-tolerant SGLangGeneration runs its engine fleet in the process that built "
+                        "it and cannot be sent to another process (a Ray actor): call it from the driver (NeMo-RL's "
+                        "GRPO and its HTTPWeightSynchronizer do), or set "
+                        f"{P}.use_fault_tolerance=false for this run")
+
     def check_weights(self, action: str) -> list:
         """NeMo-RL's check_weights (each engine's `/weights_checker`), on every engine slot in slot order: one
         answer per engine; an engine that cannot answer raises, naming its slot (never an empty list)."""
