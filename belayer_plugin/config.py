@@ -268,9 +268,26 @@ class RecoveryConfig:
     # A request whose engines died this many times before it got a token from them is poison: it fails with
     # RequestPoisonedError and those deaths are not charged to restart budgets or node health.
     poison_max_deaths: int = _req()
+    # A request that finds no serving engine while the fleet is bringing one back (a slot RESTARTING or STALE,
+    # or DEAD with its recovery under way: a standby being promoted, a restart backing off) and is not below
+    # restart.min_healthy_engines waits for it, keeping its committed tokens, bounded by request_timeout_s
+    # (not stall_timeout_s); woken by the fleet's state changes. New requests join that wait while fewer than
+    # max_waiting requests wait; the next get 503 with Retry-After: retry_after_s from the front (0: no new
+    # request waits). Requests already running always wait.
+    max_waiting: int = _req()
+    retry_after_s: int = _req()
+    # The front's streaming clients get an SSE comment after this long without a token (": waiting for an
+    # engine" while their request waits for one), so that they and proxies keep the connection open.
+    heartbeat_s: float = _req()
 
     def problems(self) -> list[str]:
         out = []
+        if self.max_waiting < 0:
+            out.append("max_waiting: must be >= 0")
+        if self.retry_after_s < 1:
+            out.append("retry_after_s: must be >= 1 (whole seconds: HTTP's Retry-After)")
+        if self.heartbeat_s <= 0:
+            out.append("heartbeat_s: must be > 0")
         if self.poison_max_deaths < 1:
             out.append("poison_max_deaths: must be >= 1")
         if self.chunk_tokens < 1:

@@ -665,6 +665,7 @@ class FleetManager:
         except Exception as e:  # never leave a slot silently stuck
             log.exception("recovery of %s failed", s.slot_id)
             self.events.emit("fleet", s.slot_id, "recovery_error", f"{type(e).__name__}: {e}", level="error")
+            await self._notify()  # requests waiting for this slot to come back stop waiting for it
 
     async def _handover(self, s: Slot, sh: Shadow, kind: str = "handover") -> bool:
         """A standby takes the dead engine's slot (or, kind="promoted", a new slot of a planned scale-out):

@@ -2,6 +2,12 @@
 
 A trainer that posts to the router URL (NeMo-RL does) points at this front instead; recovery is then
 transparent and request ids are preserved. Binds loopback unless configured otherwise.
+
+A request that fails answers with its status and `{"error": {"message", "code", "reason"}}`: `reason` is the
+error's kind, e.g. fleet_below_floor (503), request_deadline (504), queue_full (503 with Retry-After). A
+stream's headers go out with its first chunk (or heartbeat), so a request refused before it started gets its
+status too; after that a failure is an SSE `data:` error chunk with no [DONE]. A stream silent for
+recovery.heartbeat_s (e.g. while its request waits for an engine the fleet is bringing back) gets an SSE comment.
 """
 
 from __future__ import annotations
@@ -25,6 +31,19 @@ log = logging.getLogger("belayer.front")
 
 class BadRequest(ValueError):
     pass
+
+
+_HEARTBEAT = object()  # queue marker: the stream has been silent for recovery.heartbeat_s
+
+
+def _error_body(e: RequestFailedError) -> dict:
+    return {"error": {"message": str(e), "code": e.status, "reason": e.kind}}
+
+
+def error_response(e: RequestFailedError) -> web.Response:
+    """A failed request's HTTP answer: its status, a JSON body naming the reason, Retry-After where set."""
+    headers = {"Retry-After": str(int(e.retry_after))} if e.retry_after else None
+    return web.json_response(_error_body(e), status=e.status, headers=headers)
 
 
 def _validate(body: Any, tokenizer: Callable[[str], list[int]]) -> tuple[str, list[int], dict, bool, bool]:
@@ -112,12 +131,31 @@ class GenerationFront:
             try:
                 clog, _ = await self.gen.generate(rid, ids, sp, rl)
             except RequestFailedError as e:
-                return web.json_response({"error": {"message": str(e), "code": e.status}}, status=e.status)
+                return error_response(e)
             return web.json_response(self.gen.response(clog, rl, self._text(clog.output_ids)))
 
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        heartbeat_s = self.gen.cfg.heartbeat_s
+        last = loop.time()  # when the client was last sent something
+        timer: Optional[asyncio.TimerHandle] = None
+
+        def beat() -> None:  # one timer per stream, re-armed from the last write: nothing per token
+            nonlocal timer
+            due = last + heartbeat_s - loop.time()
+            if due <= 1e-3:
+                if queue.empty():
+                    queue.put_nowait(_HEARTBEAT)
+                due = heartbeat_s
+            timer = loop.call_later(due, beat)
+
+        async def send(data: bytes) -> None:
+            nonlocal last
+            if not resp.prepared:  # the headers go out with the first chunk (or heartbeat)
+                await resp.prepare(request)
+            await resp.write(data)
+            last = loop.time()
 
         def progress(clog: ContextLog, seg: Segment) -> None:
             queue.put_nowait((clog, seg))
@@ -131,6 +169,7 @@ class GenerationFront:
 
         task = asyncio.create_task(self.gen.generate(rid, ids, sp, rl, on_progress=progress, on_chunk=chunk))
         task.add_done_callback(lambda _: queue.put_nowait(None))
+        timer = loop.call_later(heartbeat_s, beat)
         text = IncrementalText(self.tokenizer)  # over all committed ids: a resume does not split the text
         try:
             while True:
@@ -139,26 +178,34 @@ class GenerationFront:
                     break
                 if not queue.empty():
                     continue  # a slow reader gets the newest cumulative state, not a backlog
+                if item is _HEARTBEAT:  # a comment: SSE clients skip it, connections and proxies stay open
+                    await send(b": waiting for an engine\n\n" if rid in self.gen.waiting
+                               else b": waiting for tokens\n\n")
+                    continue
                 if isinstance(item[0], bytes):  # the engine's own chunk: nothing resumed yet
-                    await resp.write(b"data: " + forwarded(*item) + b"\n\n")
+                    await send(b"data: " + forwarded(*item) + b"\n\n")
                     continue
                 clog, seg = item
                 out = self.gen.response(clog, rl, text.update(clog.output_ids))
                 out["meta_info"]["finish_reason"] = None
                 out["meta_info"]["belayer"] = {"engine": seg.engine, "attempt": len(clog.segments)}
-                await resp.write(b"data: " + orjson.dumps(out) + b"\n\n")
+                await send(b"data: " + orjson.dumps(out) + b"\n\n")
             try:
                 clog, _ = task.result()
             except RequestFailedError as e:
+                if not resp.prepared:  # nothing sent yet: the failure's own status (and Retry-After)
+                    return error_response(e)
                 # No [DONE]: a client must never mistake a failed request for a short answer.
-                await resp.write(b"data: " + orjson.dumps({"error": {"message": str(e), "code": e.status}}) + b"\n\n")
+                await send(b"data: " + orjson.dumps(_error_body(e)) + b"\n\n")
                 return resp
             # The final chunk is one full decode: exactly the text a non-streaming request gets.
             final = self.gen.response(clog, rl, self._text(clog.output_ids))
-            await resp.write(b"data: " + orjson.dumps(final) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
+            await send(b"data: " + orjson.dumps(final) + b"\n\n")
+            await send(b"data: [DONE]\n\n")
             return resp
         finally:
+            if timer is not None:
+                timer.cancel()
             if not task.done():  # the client went away
                 task.cancel()
 

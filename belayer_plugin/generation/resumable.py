@@ -10,6 +10,11 @@ Sampling parameters that cannot be continued exactly from a cut (resume_policy.p
 again from its prompt instead (a request-level retry, with a `resume_refused` event). A request whose
 engines died `poison_max_deaths` times before it got a token from them is poison: it fails alone with
 RequestPoisonedError, and the fleet is told so that those deaths cost no restart budget or node health.
+
+No serving engine is no reason to drop a request while the fleet is bringing one back (FleetSelector): the
+request waits for it with its committed tokens, woken by the fleet's state changes, until an engine serves,
+the fleet falls below its floor (FleetBelowFloorRequestError) or the request's own deadline passes
+(RequestDeadlineError); new requests join that wait up to `recovery.max_waiting` (then QueueFullError).
 """
 
 from __future__ import annotations
@@ -34,7 +39,13 @@ from belayer_plugin.generation.sglang_http import GenerateError, StreamBroken, g
 
 
 class RequestFailedError(RuntimeError):
-    """One request could not be completed within its attempt budget (other requests are unaffected)."""
+    """One request could not be completed within its attempt budget (other requests are unaffected).
+
+    `kind` names why in one word (the front's JSON error body carries it as `reason`); `retry_after` is set
+    (seconds) where trying again later is the answer."""
+
+    kind = "request_failed"
+    retry_after: Optional[int] = None
 
     def __init__(self, rid: str, reason: str, log: Optional[ContextLog] = None, status: int = 502):
         self.rid, self.reason, self.log, self.status = rid, reason, log, status
@@ -42,9 +53,50 @@ class RequestFailedError(RuntimeError):
         super().__init__(f"request {rid}: {reason}{tail}")
 
 
+class NoEngineError(RequestFailedError):
+    """No engine serves the request and none is being brought back (waited recovery.stall_timeout_s)."""
+
+    kind = "no_engine"
+
+    def __init__(self, rid: str, reason: str, log: Optional[ContextLog] = None):
+        super().__init__(rid, reason, log, status=503)
+
+
+class FleetBelowFloorRequestError(RequestFailedError):
+    """The fleet is below its floor (restart.min_healthy_engines; FleetBelowFloorError) or every engine is
+    retired: no engine will come back for the request, so it ends at once, whatever its deadline."""
+
+    kind = "fleet_below_floor"
+
+    def __init__(self, rid: str, reason: str, log: Optional[ContextLog] = None):
+        super().__init__(rid, reason, log, status=503)
+
+
+class RequestDeadlineError(RequestFailedError):
+    """The request's own deadline (recovery.request_timeout_s) passed, e.g. while it waited for an engine the
+    fleet was bringing back. Its committed tokens are in `log`."""
+
+    kind = "request_deadline"
+
+    def __init__(self, rid: str, reason: str, log: Optional[ContextLog] = None):
+        super().__init__(rid, reason, log, status=504)
+
+
+class QueueFullError(RequestFailedError):
+    """A new request found no serving engine while recovery.max_waiting requests already waited for one."""
+
+    kind = "queue_full"
+
+    def __init__(self, rid: str, reason: str, retry_after: int, log: Optional[ContextLog] = None):
+        self.retry_after = retry_after
+        super().__init__(rid, reason, log, status=503)
+
+
 class RequestPoisonedError(RequestFailedError):
     """The request itself crashes engines: it was in flight on engines that died before giving it a token,
     `recovery.poison_max_deaths` times. It is failed alone and not resumed onto any other engine."""
+
+    kind = "poisoned"
 
     def __init__(self, rid: str, engines: list[str], log: Optional[ContextLog] = None):
         self.engines = engines
@@ -60,6 +112,26 @@ class Target:
     incarnation: int = -1  # the engine incarnation picked (fleet selectors), -1 when unknown
 
 
+class EngineWaitError(RuntimeError):
+    """A selector's reason why a pick that found no serving engine may not wait (on): `kind` is
+    "fleet_below_floor", "queue_full" or "request_deadline"."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        super().__init__(message)
+
+
+@dataclass
+class Hold:
+    """How a pick that finds no serving engine waits while the fleet brings one back (FleetSelector.pick)."""
+
+    until: float  # the request's own deadline (event loop time): recovery.request_timeout_s from its start
+    admitted: bool  # already running (has had a segment): never turned away, whatever max_waiting says
+    max_waiting: int  # recovery.max_waiting: a new request may join only while fewer wait
+    # Called with what is awaited when the wait begins, and again when it turns into a hold (or back).
+    on_wait: Optional[Callable[[str], None]] = None
+
+
 class Selector(Protocol):
     """Chooses engines for requests and hears about their failures."""
 
@@ -69,25 +141,88 @@ class Selector(Protocol):
 
 
 class FleetSelector:
-    """Least-loaded HEALTHY engine of a FleetManager; failures are reported to its health machine."""
+    """Least-loaded HEALTHY engine of a FleetManager; failures are reported to its health machine.
+
+    With no serving engine, a pick waits for one, woken by the fleet's state changes (FleetManager.wait_changed:
+    its health transitions, a retirement, the floor). While the fleet is bringing an engine back (recovering())
+    and is not below its floor, a pick given a Hold waits until the request's own deadline; otherwise for
+    `timeout` (recovery.stall_timeout_s) at most."""
 
     def __init__(self, fleet: Any):
         self.fleet = fleet
+        self.n_waiting = 0  # picks now waiting for a serving engine (recovery.max_waiting bounds new ones)
 
-    async def pick(self, exclude: set[str], timeout: float) -> Target:
+    def recovering(self) -> list[str]:
+        """The slots the fleet is bringing back ("engine-0 RESTARTING", ...): RESTARTING or STALE, or DEAD with
+        its recovery task under way (a restart backing off, a standby being promoted; one whose budget is spent
+        turns RETIRED within moments). Empty below the floor, or when nothing will come back."""
+        from belayer_plugin.fleet.health import State
+
+        if getattr(self.fleet, "fatal", None) is not None:
+            return []
+        out = []
+        for sid, s in self.fleet.slots.items():
+            st = s.health.state
+            if st in (State.RESTARTING, State.STALE) or (
+                    st is State.DEAD and s.recovery is not None and not s.recovery.done()):
+                out.append(f"{sid} {st.value}")
+        return out
+
+    def _all_retired(self) -> bool:
+        from belayer_plugin.fleet.health import State
+
+        return all(s.health.state is State.RETIRED for s in self.fleet.slots.values())
+
+    async def pick(self, exclude: set[str], timeout: float, hold: Optional[Hold] = None) -> Target:
         from belayer_plugin.fleet.manager import NoHealthyEngineError
+        from belayer_plugin.fleet.policy import FleetBelowFloorError
 
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                slot = self.fleet.pick_engine_excluding_urls(exclude)
-                slot.inflight += 1
-                return Target(slot.slot_id, slot.info.url, slot.health.incarnation)
-            except NoHealthyEngineError:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                await self.fleet.wait_changed(left)  # woken by the next health transition
+        loop = asyncio.get_running_loop()
+        stall_end: Optional[float] = loop.time() + timeout  # None while held (re-armed if the recovery ends)
+        counted = False
+        held: Optional[bool] = None  # whether the wait, once begun, is a hold (an engine is coming back)
+        try:
+            while True:
+                try:
+                    slot = self.fleet.pick_engine_excluding_urls(exclude)
+                    slot.inflight += 1
+                    return Target(slot.slot_id, slot.info.url, slot.health.incarnation)
+                except FleetBelowFloorError as e:
+                    raise EngineWaitError("fleet_below_floor", f"no engine will come back: {e}") from None
+                except NoHealthyEngineError as e:
+                    if self._all_retired():
+                        raise EngineWaitError("fleet_below_floor", f"no engine will come back: every engine is "
+                                                                   f"retired ({self.fleet.states()})") from None
+                    if hold is not None and not counted:
+                        if not hold.admitted and self.n_waiting >= hold.max_waiting:
+                            raise EngineWaitError("queue_full", f"no serving engine and {self.n_waiting} request(s) "
+                                                                f"already wait for one (recovery.max_waiting="
+                                                                f"{hold.max_waiting}); states: "
+                                                                f"{self.fleet.states()}") from None
+                        self.n_waiting += 1
+                        counted = True
+                    now = loop.time()
+                    back = self.recovering() if hold is not None else []
+                    if back:  # an engine is coming back: wait for it until the request's own deadline
+                        stall_end = None
+                        left = hold.until - now
+                        if left <= 0:
+                            raise EngineWaitError("request_deadline", f"waited for an engine ({', '.join(back)}) "
+                                                                      f"until the request's deadline") from None
+                    else:  # nothing is coming back (yet: a death not confirmed, say): recovery.stall_timeout_s
+                        if stall_end is None:
+                            stall_end = now + timeout
+                        left = stall_end - now
+                        if left <= 0:
+                            raise e
+                    if hold is not None and hold.on_wait is not None and held is not bool(back):
+                        held = bool(back)  # told when the wait begins and when it becomes a hold (or stops)
+                        hold.on_wait(f"the fleet is bringing back {', '.join(back)}" if back
+                                     else f"a serving engine ({e}; recovery.stall_timeout_s={timeout:g})")
+                    await self.fleet.wait_changed(left)  # woken by the fleet's next state change
+        finally:
+            if counted:
+                self.n_waiting -= 1
 
     @property
     def tokenizer_path(self) -> Optional[str]:
@@ -203,6 +338,9 @@ class ResumableGenerator:
         self._tokenizer: Any = None
         # How the engines turn a seed into per-token randomness (resume_policy.segment_seed).
         self.seed_per_position = bool(getattr(selector, "seed_per_position", False))
+        # Requests now in a pick, waiting for an engine the fleet is bringing back: {rid: what they await}
+        # (the front's heartbeats say so).
+        self.waiting: dict[str, str] = {}
 
     def _stream_session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -234,22 +372,58 @@ class ResumableGenerator:
         if stop_strings(sp) and self.tokenizer_path and self._tokenizer is None:
             self._tokenizer = await asyncio.to_thread(_load_tokenizer, self.tokenizer_path)
         outcome = "failed"
+        until = asyncio.get_running_loop().time() + self.cfg.request_timeout_s
         try:
-            async with asyncio.timeout(self.cfg.request_timeout_s):
-                await self._run(log, sp, on_progress, on_chunk)
+            async with asyncio.timeout_at(until):
+                await self._run(log, sp, on_progress, on_chunk, until)
             outcome = "finished"
         except TimeoutError:
-            raise RequestFailedError(rid, f"not finished within recovery.request_timeout_s="
-                                          f"{self.cfg.request_timeout_s:g} s", log, status=504) from None
+            awaited = self.waiting.get(rid)
+            raise RequestDeadlineError(rid, f"not finished within recovery.request_timeout_s="
+                                            f"{self.cfg.request_timeout_s:g} s"
+                                            + (f" (waiting for an engine: {awaited})" if awaited else ""),
+                                       log) from None
         finally:
+            self.waiting.pop(rid, None)
             # One record per request with where each of its segments ran (the report's fleet picture).
             self.events.emit("generation", rid, "request", outcome, tokens=log.committed,
                              segments=[[g.engine, round(g.t_start, 4), round(g.t_end or time.time(), 4), g.start,
                                         g.end, g.outcome[:40]] for g in log.segments])
         return log, self.response(log, return_logprob)
 
+    async def _pick(self, log: ContextLog, exclude: set[str], until: Optional[float]) -> Target:
+        """The request's next engine. A selector whose pick takes a Hold (FleetSelector) may keep it waiting for
+        an engine the fleet is bringing back, until `until`; new requests only while fewer than
+        recovery.max_waiting wait. Raises EngineWaitError when it may not wait (on)."""
+        # (a subclass of FleetSelector overriding pick with the plain signature, or another selector, waits as
+        # it always did)
+        if until is None or not _takes_hold(self.selector):
+            return await self.selector.pick(exclude, self.cfg.stall_timeout_s)
+        t0 = time.monotonic()
+
+        def on_wait(awaited: str) -> None:
+            self.waiting[log.rid] = awaited
+            self.events.emit("recovery", log.rid, "waiting_for_engine", f"no serving engine: waiting for {awaited}",
+                             level="warning", committed=log.committed, held=awaited.startswith("the fleet"),
+                             waiting=getattr(self.selector, "n_waiting", None))
+
+        hold = Hold(until, admitted=bool(log.segments), max_waiting=self.cfg.max_waiting, on_wait=on_wait)
+        try:
+            target = await self.selector.pick(exclude, self.cfg.stall_timeout_s, hold)  # type: ignore[call-arg]
+        except asyncio.CancelledError:
+            raise  # (the request's deadline, say) generate() names what it waited for, then forgets it
+        except BaseException:
+            self.waiting.pop(log.rid, None)
+            raise
+        awaited = self.waiting.pop(log.rid, None)
+        if awaited is not None:
+            self.events.emit("recovery", log.rid, "engine_found", f"{target.engine} after waiting for {awaited}",
+                             engine=target.engine, committed=log.committed,
+                             waited_s=round(time.monotonic() - t0, 4))
+        return target
+
     async def _run(self, log: ContextLog, sp: dict, on_progress: Optional[ProgressFn],
-                   on_chunk: Optional[ChunkFn] = None) -> None:
+                   on_chunk: Optional[ChunkFn] = None, until: Optional[float] = None) -> None:
         exclude: set[str] = set()
         failures = 0
         # Engines that refused the connection (already dead, e.g. killed by another request a moment ago) since
@@ -265,12 +439,19 @@ class ResumableGenerator:
                 log.finish_reason = {"type": "length", "length": log.max_new_tokens}
                 return
             try:
-                target = await self.selector.pick(exclude | refused, self.cfg.stall_timeout_s)
+                target = await self._pick(log, exclude | refused, until)
+            except EngineWaitError as e:
+                if e.kind == "queue_full":
+                    raise QueueFullError(log.rid, str(e), self.cfg.retry_after_s, log) from e
+                if e.kind == "request_deadline":
+                    raise RequestDeadlineError(log.rid, f"not finished within recovery.request_timeout_s="
+                                                        f"{self.cfg.request_timeout_s:g} s: {e}", log) from e
+                raise FleetBelowFloorRequestError(log.rid, str(e), log) from e
             except Exception as e:
                 if refused:  # a replacement may have come back at a refused URL: once more without them
                     refused.clear()
                     continue
-                raise RequestFailedError(log.rid, f"no healthy engine: {e}", log, status=503) from e
+                raise NoEngineError(log.rid, f"no healthy engine: {e}", log) from e
             seed = sp.get("seed", sp.get("sampling_seed"))
             # A resumed sampled segment continues the fault-free run's randomness (resume_policy.segment_seed).
             seg_seed = segment_seed(seed, log.committed, self.seed_per_position)
@@ -538,6 +719,13 @@ class ResumableGenerator:
         if text is not None:
             out["text"] = text
         return out
+
+
+def _takes_hold(selector: Any) -> bool:
+    try:
+        return "hold" in inspect.signature(selector.pick).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
 
 
 def _load_tokenizer(path: str) -> Any:
