@@ -40,7 +40,7 @@ import pytest
 pytest.importorskip("verl", reason="verl 0.9.1 not installed (bash .ci/setup_verl.sh)")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = ("kill_mid_rollout", "kill_before_sleep", "legacy_restart")
+SCENARIOS = ("kill_mid_rollout", "kill_before_sleep", "kill_before_sync", "legacy_restart")
 RUN_TIMEOUT_S = 900  # a Ray cluster of verl processes (each imports verl: ~10 s of CPU) and 7 steps on 2 cores
 
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 120)
@@ -161,7 +161,10 @@ def _step(run: RealRun, victim=None, when: str = "", ckpt=None) -> dict:
     t0 = time.monotonic()
     ckpt.sleep_replicas()  # trainer_sync.on_sample_end
     rec["sleep_s"] = round(time.monotonic() - t0, 2)
-    if victim is not None:  # what the trainer's sleep left: verl's replica object, read from its new server
+    if when == "before_sync":  # after the trainer's sleep: the weight push (through the workers) meets it dead
+        rec["killed"] = {"pid": _pid(victim.server_handle), "address": victim.server_address}
+        os.kill(rec["killed"]["pid"], signal.SIGKILL)
+    elif victim is not None:  # what the trainer's sleep left: verl's replica object, read from its new server
         rec["after_sleep"] = {"servers": len(victim.servers), "pid": _pid(victim.server_handle),
                               "address": victim.server_address,
                               "slept": ray.get(victim.server_handle.get_slept.remote()),
@@ -170,7 +173,9 @@ def _step(run: RealRun, victim=None, when: str = "", ckpt=None) -> dict:
     run.step += 1
     ckpt.update_weights(run.step)  # trainer_sync.on_step_end: the hybrid workers' push
     if victim is not None:
-        rec["after_sync"] = {"steps_served": _served(victim.server_handle), "step": run.step}
+        rec["after_sync"] = {"steps_served": _served(victim.server_handle), "step": run.step,
+                             "servers": len(victim.servers), "pid": _pid(victim.server_handle),
+                             "address": victim.server_address}
     return rec
 
 
@@ -207,10 +212,30 @@ def _context_limit(run: RealRun, prompt_ids: list[int]) -> dict:
 
 # each scenario: (replica index, when, the checkpoint manager) for the faulty step; a plain step follows
 PLAN = {"kill_mid_rollout": (1, "mid_rollout", "v1"), "kill_before_sleep": (0, "before_sleep", "v1"),
-        "legacy_restart": (1, "mid_rollout", "legacy")}
+        "kill_before_sync": (1, "before_sync", "v1"), "legacy_restart": (1, "mid_rollout", "legacy")}
 
 
-def run_scenarios(names: list[str], model: str, tmp: Path) -> dict:
+def _below_floor(run: RealRun) -> dict:
+    """Last, as it ends the run: a restart budget of 0 and a floor of 2, then one replica's server SIGKILLed;
+    verl's own checkpoint manager's next call (the trainer's sleep) must end with the typed error naming the
+    replica, at once (not a hang, not verl's ActorDiedError)."""
+    from dataclasses import replace
+
+    from belayer_plugin.fleet.policy import RestartPolicy
+
+    rec = run.agents.recovery
+    rec.policy = RestartPolicy(replace(rec.cfg.restart, max_restarts=0, min_healthy_engines=2))
+    victim = run.servers.get_replicas()[0]
+    os.kill(_pid(victim.server_handle), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        run.ckpt.sleep_replicas()
+    except Exception as e:  # noqa: BLE001  (what the trainer would see)
+        return {"error_type": type(e).__name__, "error": str(e)[:1500], "took_s": round(time.monotonic() - t0, 2)}
+    return {"error_type": None, "took_s": round(time.monotonic() - t0, 2)}
+
+
+def run_scenarios(names: list[str], model: str, tmp: Path, floor: bool = True) -> dict:
     """One run of verl's objects: a fault-free step (the golden batch), then for each scenario its faulty step
     and a plain step after it. Every step's batch must equal the golden one (ids, masks, logprobs)."""
     import ray
@@ -228,7 +253,7 @@ def run_scenarios(names: list[str], model: str, tmp: Path) -> dict:
     replica = run.ckpt.replicas[0]
     rep: dict = {"replica_class": f"{type(replica).__module__}.{type(replica).__qualname__}",
                  "checkpoint_manager": f"{type(run.ckpt).__module__}.{type(run.ckpt).__qualname__}",
-                 "golden": None, "context_limit": None, "scenarios": {}}
+                 "golden": None, "context_limit": None, "scenarios": {}, "below_floor": None}
     try:
         run.start()
         rep["golden"] = _step(run)
@@ -256,6 +281,8 @@ def run_scenarios(names: list[str], model: str, tmp: Path) -> dict:
             rep["scenarios"][name] = sc
             if "error" in sc:
                 break  # the run's objects are in an unknown state
+        if floor:
+            rep["below_floor"] = _below_floor(run)
     finally:
         run.close()
     return rep
@@ -283,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(belayer_cfg().ray, num_gpus=2)
     rep = run_scenarios(names, model, Path(tempfile.mkdtemp(prefix="belayer-verl-real-")))
     rep["problems"] = {n: judge(rep, n) for n in names}
+    bf = rep.get("below_floor") or {}
+    rep["problems"]["below_floor"] = [] if bf.get("error_type") == "FleetBelowFloorError" else [
+        f"below the floor the trainer's next call did not end with FleetBelowFloorError: {bf}"]
     Path(a.report).write_text(json.dumps(rep, indent=1, default=str))
     for n, ps in rep["problems"].items():
         print(f"verl_replica_kill {n}: {'PASS' if not ps else 'FAIL'}; events {rep['scenarios'].get(n, {}).get('events')}")
@@ -318,6 +348,19 @@ def judge(rep: dict, name: str) -> list[str]:
             problems.append(f"step {s['step']}: batch differs from the fault-free step's")
     if not fault["killed"]:
         return problems + ["the fault was never delivered"]
+    sync = fault["after_sync"]
+    if name == "kill_before_sync":  # restarted by the weight sync itself (verl's own checkpoint manager's)
+        if sync["servers"] != 1 or sync["pid"] == fault["killed"]["pid"]:
+            problems.append(f"after the weight sync verl's replica holds {sync['servers']} server(s), pid "
+                            f"{sync['pid']} (killed {fault['killed']['pid']})")
+        if sync["steps_served"] != sync["step"]:
+            problems.append(f"after the weight sync the restarted server serves {sync['steps_served']}, not step "
+                            f"{sync['step']}")
+        if sc["end"]["routed"] != sc["end"]["addresses"] or len(sc["end"]["routed"]) != 2:
+            problems.append(f"not both replicas routed at the end: {sc['end']}")
+        if sync["address"] not in nxt["urls"]:
+            problems.append("the restarted replica did not serve the next step")
+        return problems
     after = fault["after_sleep"]
     if after["servers"] != 1:
         problems.append(f"verl's replica holds {after['servers']} server(s) after the restart, not 1")
@@ -327,7 +370,6 @@ def judge(rep: dict, name: str) -> list[str]:
         problems.append("the restarted server never got the trainer's sleep")
     if after["routed"]:
         problems.append("the restarted server was routed before it served the current weights")
-    sync = fault["after_sync"]
     if sync["steps_served"] != sync["step"]:
         problems.append(f"after the weight sync the restarted server serves {sync['steps_served']}, not step "
                         f"{sync['step']}")
@@ -382,6 +424,21 @@ def test_a_response_that_reaches_the_context_limit_ends_at_length_as_verls_own_u
     # is not a chunk multiple: the last chunk is clamped too, then the full context ends the request)
     assert len(ctx["verl_ids"]) == CONTEXT_ROOM, ctx
     assert ctx["belayer_ids"] == ctx["verl_ids"] and ctx["belayer_stop_reason"] == "length", ctx
+
+
+def test_verls_vllm_replica_server_killed_before_the_weight_sync_is_restarted_and_the_sync_runs_again(report):
+    rep = _check(report, "kill_before_sync")
+    assert rep["checkpoint_manager"] == "verl.checkpoint_engine.base.CheckpointEngineManager"
+    assert any(e == "sync sync_retried" for e in rep["events"]), rep["events"]
+
+
+def test_below_the_healthy_floor_verls_own_checkpoint_manager_call_ends_with_the_typed_error_naming_the_replica(
+        report):
+    bf = report.get("below_floor")
+    assert bf is not None, report["_output"][-3000:]
+    assert bf["error_type"] == "FleetBelowFloorError", bf
+    assert "replica-0" in bf["error"] and "RETIRED" in bf["error"], bf
+    assert bf["took_s"] < 60, bf  # at once: the next lifecycle call, no waiting on a dead actor
 
 
 def test_legacy_trainer_restarts_verls_vllm_replica_through_its_own_launch_code(report):

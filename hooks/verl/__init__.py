@@ -22,10 +22,17 @@ See recipes/verl/ for what a recipe adds.
 from belayer_plugin.hooks.verl.balancer import BelayerLoadBalancer
 from belayer_plugin.hooks.verl.client import BalancerSelector, BelayerLLMServerClient
 from belayer_plugin.hooks.verl.fleet import FleetBridge, attach_fleet, fleet_servers
-from belayer_plugin.hooks.verl.recovery import BelayerCheckpointEngineManager, FleetBelowFloorError, ReplicaRecovery
+from belayer_plugin.hooks.verl.recovery import (
+    BelayerCheckpointEngineManager,
+    FleetBelowFloorError,
+    ReplicaRecovery,
+    ReplicaSyncError,
+    track_checkpoint_managers,
+)
 from belayer_plugin.hooks.verl.replica import BelayerReplica, BelayerServer, register as _register_replica
 
 _register_replica()
+track_checkpoint_managers()
 
 
 def router_config_path() -> str:
@@ -57,6 +64,7 @@ _register_resolver()
 
 __all__ = ["router_config_path", "BelayerLoadBalancer", "BelayerLLMServerClient", "BalancerSelector", "FleetBridge",
            "attach_fleet", "fleet_servers", "BelayerCheckpointEngineManager", "ReplicaRecovery", "FleetBelowFloorError",
+           "ReplicaSyncError",
            "BelayerReplica", "BelayerServer"]
 
 try:  # the agent loop needs the sandbox package; a broken sandbox install must not hide the rest

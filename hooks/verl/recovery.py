@@ -34,8 +34,9 @@ from belayer_plugin.fleet.health import EngineHealth, Signal, State
 from belayer_plugin.fleet.policy import FleetBelowFloorError, RestartPolicy
 from belayer_plugin.hooks.verl.replica import drop_servers, forget_server_handles
 
-__all__ = ["ReplicaRecovery", "BelayerCheckpointEngineManager", "FleetBelowFloorError", "current_recovery",
-           "set_current_recovery", "guard_replica", "served_steps", "LIFECYCLE"]
+__all__ = ["ReplicaRecovery", "BelayerCheckpointEngineManager", "FleetBelowFloorError", "ReplicaSyncError",
+           "current_recovery", "set_current_recovery", "guard_replica", "guard_checkpoint_manager",
+           "track_checkpoint_managers", "served_steps", "LIFECYCLE"]
 
 # verl's RolloutReplica calls that reach its server actors (CheckpointEngineManager gathers them over replicas)
 LIFECYCLE = ("wake_up", "sleep", "abort_all_requests", "resume_generation", "clear_kv_cache", "release_kv_cache",
@@ -254,6 +255,67 @@ class ReplicaRecovery:
     def guard(self, replica: Any) -> None:
         """Makes a verl replica object heal itself before and after each lifecycle call (see `guard_replica`)."""
         guard_replica(replica, self)
+
+
+class ReplicaSyncError(RuntimeError):
+    """A replica's server died during a weight sync that Belayer cannot redo; names the replicas and the fault."""
+
+
+def guard_checkpoint_manager(ckpt: Any) -> None:
+    """verl's own CheckpointEngineManager (the v1 trainer builds it itself): a weight sync that fails because a
+    replica's server actor died is recovered instead of ending the run.
+
+    With the naive backend (hybrid: the trainer's workers push into their colocated servers, and wake them) the
+    dead replicas are restarted through verl's launch code, their workers pointed at the new servers, and the
+    sync runs again: it is a full push, so running it twice loads the same weights. Other backends build a
+    process group over the replicas' workers mid-sync; redoing half of one is not safe, so the run ends with a
+    ReplicaSyncError naming the replicas and the fault, at once. Without Belayer's recovery in this process (fault
+    tolerance off), verl's error as is."""
+    if isinstance(ckpt, BelayerCheckpointEngineManager) or getattr(ckpt, "_belayer_guarded", False):
+        return
+    raw = type(ckpt).update_weights.__wrapped__  # the coroutine under verl's auto_await
+
+    async def update_weights(global_steps: Optional[int] = None) -> Any:
+        try:
+            return await raw(ckpt, global_steps=global_steps)
+        except Exception as e:
+            rec = current_recovery()
+            if rec is None or not rec.cfg.use_fault_tolerance:
+                raise
+            dead = await rec.find_dead(ckpt.replicas)
+            if not dead:
+                raise
+            what = ", ".join(f"{rec.key(r)} ({why})" for r, why in dead)
+            if ckpt.backend != "naive":
+                raise ReplicaSyncError(f"the server of {what} died during the trainer's weight sync (checkpoint "
+                                       f"engine backend {ckpt.backend!r}); a partial {ckpt.backend} sync cannot be "
+                                       "redone: the run ends here") from e
+            for r, why in dead:
+                if not await rec.restart(r, f"{why} (during the weight sync)"):
+                    raise ReplicaSyncError(f"{rec.key(r)} died during the trainer's weight sync and was retired "
+                                           f"({why}); its workers cannot take the weight push") from e
+            rec.events.emit("verl", "sync", "sync_retried", f"after restarting {what}", level="warning",
+                            global_steps=global_steps)
+            return await raw(ckpt, global_steps=global_steps)
+
+    ckpt.update_weights = auto_await(update_weights)
+    ckpt._belayer_guarded = True
+
+
+def track_checkpoint_managers() -> None:
+    """Guards every verl CheckpointEngineManager built in this process from now on (idempotent); the guard acts
+    only where Belayer's recovery runs (see guard_checkpoint_manager)."""
+    init = CheckpointEngineManager.__init__
+    if getattr(init, "_belayer_tracked", False):
+        return
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        guard_checkpoint_manager(self)
+
+    __init__._belayer_tracked = True  # type: ignore[attr-defined]
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    CheckpointEngineManager.__init__ = __init__  # type: ignore[method-assign]
 
 
 class BelayerCheckpointEngineManager(CheckpointEngineManager):
