@@ -73,6 +73,9 @@ class EnginesConfig:
     kind: str = _one_of("cpu", "sglang")
     num_engines: int = _req()
     model_path: str = _req()  # "" means the tiny model built under the cache dir
+    # Where an engine's server binds and what its URL names: "" is the address of the node it runs on as Ray
+    # knows it (127.0.0.1 on the loopback local cluster), reachable by the router and driver on another node.
+    # One address, never a wildcard: 0.0.0.0 would listen everywhere and give a URL no other node can use.
     host: str = _req()
     startup_timeout_s: float = _req()
     shutdown_timeout_s: float = _req()
@@ -92,6 +95,8 @@ class EnginesConfig:
         out = []
         if self.num_engines < 1:
             out.append("num_engines: must be >= 1")
+        if self.host in ("0.0.0.0", "::", "[::]", "*"):
+            out.append(f"host: {self.host!r} is a wildcard: set the address to serve on, or \"\" for the node's own")
         for name in ("startup_timeout_s", "shutdown_timeout_s", "flush_cache_timeout_s", "drain_timeout_s",
                      "refit_request_timeout_s"):
             if getattr(self, name) <= 0:

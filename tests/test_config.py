@@ -18,7 +18,7 @@ def test_default_recipe_is_valid_and_fault_tolerance_is_off_by_default():
     cfg, _ = load_belayer_config("fleet_demo")
     assert isinstance(cfg, BelayerConfig)
     assert cfg.use_fault_tolerance is False
-    assert cfg.router.host == "127.0.0.1" and cfg.engines.host == "127.0.0.1"
+    assert cfg.router.host == "127.0.0.1" and cfg.engines.host == ""  # "": the node's own address (loopback locally)
     assert cfg.sandbox.network == "none"
     assert cfg.chaos.enabled is False
 
@@ -82,6 +82,17 @@ def test_cross_section_problem_is_reported():
     raw["engines"]["num_engines"] = 2
     with pytest.raises(ConfigError, match="min_healthy_engines: larger than engines.num_engines"):
         validate(raw)
+
+
+def test_engines_host_is_never_a_wildcard_and_defaults_to_the_nodes_own_address():
+    from belayer_plugin.engines.launch import engine_host
+
+    raw = _raw()
+    raw["engines"]["host"] = "0.0.0.0"
+    with pytest.raises(ConfigError, match="belayer.engines.host: '0.0.0.0' is a wildcard"):
+        validate(raw)
+    assert engine_host("198.18.0.2") == "198.18.0.2"
+    assert engine_host("") == "127.0.0.1"  # outside Ray; inside, the node's address (tests/test_netns_multinode.py)
 
 
 def test_unknown_recipe_lists_the_known_ones():

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import httpx
 
 from belayer_plugin.config import EnginesConfig
-from belayer_plugin.engines.launch import free_port, server_command
+from belayer_plugin.engines.launch import engine_host, free_port, server_command
 from belayer_plugin.ports import (PORT_ATTEMPTS, Ownership, PortClashError, listener_ownership, log_says_address_in_use,
                                   log_size)
 
@@ -125,8 +125,11 @@ class EngineActor:
         /health counts only once the listener on the server's port is held by the server's own process tree
         (ports.listener_ownership): a port from free_port() can be taken by another process before the
         server binds it, and that process would answer in its place. On such a clash the server starts
-        again on a fresh port (ports.PORT_ATTEMPTS in all), all attempts within startup_timeout_s."""
-        host = self.cfg.host
+        again on a fresh port (ports.PORT_ATTEMPTS in all), all attempts within startup_timeout_s.
+
+        The server binds, and its URL names, this node's address unless engines.host says otherwise
+        (launch.engine_host): the router and the driver may be on another node."""
+        host = engine_host(self.cfg.host)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{self.engine_id}.log"
         deadline = time.monotonic() + self.cfg.startup_timeout_s

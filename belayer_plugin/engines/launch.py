@@ -17,6 +17,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def engine_host(configured: str) -> str:
+    """The address an engine's server binds and names in its URL: `engines.host` when set, else the address
+    of the node it runs on as Ray knows it (ray.util.get_node_ip_address(): 127.0.0.1 on Belayer's loopback
+    local cluster, the node's own address on a multi-node cluster), so that the router and the driver on
+    another node reach it; 127.0.0.1 outside Ray. Never a wildcard: a server listens on one address."""
+    if configured:
+        return configured
+    import ray
+
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
+
+
 def cpu_server_command(cfg: "EnginesConfig", model_path: str, host: str, port: int,
                        weight_version: str) -> tuple[list[str], dict[str, str]]:
     """argv and extra environment for Belayer's CPU engine."""

@@ -1,0 +1,403 @@
+"""Beyond one machine, for real: a Ray head in the root namespace and worker nodes B and C, each in its own
+network namespace with its own address on a bridge (tests/netns_cluster.py). Engines bind to and advertise
+their own node's address; the router and the driver (in the root namespace, on the head's node) reach them
+across the bridge; requests survive the loss of an engine, of a whole node, and of a node's link.
+
+Each scenario runs as a subprocess (this file as a script): the cluster needs its own Ray driver, so the
+session's shared Ray cluster is untouched. The module shares one cluster (~20 s to build on 2 cores);
+`revive()` brings back a node a scenario lost before the next one.
+
+What one machine cannot show: the nodes share its PID namespace and filesystem. The fleet's own fence
+(`FleetManager._kill`: `os.killpg` on the engine's pid, from the driver) reaches a server on B here, cut
+off or not; across machines that pid names a process on the driver's machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+if __name__ == "__main__":  # run as the scenario's driver: the repository's root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.netns_cluster import _comm, netns_cluster, run_driver  # noqa: E402
+
+PROMPTS = [[54, 280, 487, 423, 442], [60, 61, 62], [100, 200, 300, 400]]
+GREEDY = {"max_new_tokens": 150, "temperature": 0.0, "ignore_eos": True}
+TAG = "NETNS"
+
+
+@pytest.fixture(scope="module")
+def netns():
+    """One cluster for the module (building one costs ~20 s on 2 cores), torn down after its last test."""
+    with netns_cluster(workers=("b", "c")) as c:
+        yield c
+
+
+@pytest.fixture
+def cluster(netns):
+    """The module's cluster with every worker node up (a scenario may have lost or cut one off)."""
+    netns.revive()
+    yield netns
+
+
+@pytest.mark.timeout(240)
+def test_engines_serve_from_their_own_nodes_and_a_stream_killed_on_b_resumes_on_c(cluster, tmp_path):
+    fig = run_driver(__file__, cluster, tmp_path, TAG, 200, BELAYER_NETNS_SCENARIO="resume")
+    b, c = cluster.nodes["b"].ip, cluster.nodes["c"].ip
+    assert fig["urls"] == {"engine-0": b, "engine-1": c}
+    assert fig["listen"] == {"engine-0": [b], "engine-1": [c]}  # its node's address only, no wildcard
+    assert fig["router_host"] == "127.0.0.1" and fig["router_ok"] == 2
+    assert fig["router_tokens_per_node"] == [GREEDY["max_new_tokens"]] * 2  # the router reached B and C
+    assert fig["killed_seg_hosts"][0] == b and fig["killed_seg_hosts"][-1] == c
+    assert fig["lost"] == 0 and fig["requests"] == len(PROMPTS)
+
+
+@pytest.mark.timeout(300)
+def test_a_node_lost_under_load_is_detected_excluded_and_its_slot_moves_with_no_request_lost(cluster, tmp_path):
+    fig = run_driver(__file__, cluster, tmp_path, TAG, 260, BELAYER_NETNS_SCENARIO="node_loss")
+    assert fig["killed_processes"] > 0 and fig["requests"] > 0 and fig["lost"] == 0
+    assert fig["moved_to"] != "b" and fig["states"] == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}
+    assert fig["exclusion"].startswith("Ray reports node"), fig["exclusion"]
+
+
+@pytest.mark.timeout(300)
+def test_a_partitioned_node_is_detected_its_slot_moves_and_its_engine_is_never_routed_again(cluster, tmp_path):
+    fig = run_driver(__file__, cluster, tmp_path, TAG, 260, BELAYER_NETNS_SCENARIO="partition")
+    # B's link returned (at Belayer's detection, ~3 s) long before Ray declares a silent node dead (10 health
+    # checks timing out, ~30 s): B's old engine came back to a fleet that had moved on.
+    assert fig["b_alive_after_heal"], fig
+    assert fig["requests"] > 0 and fig["lost"] == 0
+    assert fig["new_incarnation"] and not fig["old_url_in_router"]
+    assert fig["old_routed_after_detection"] == [] and fig["old_segments_after_detection"] == 0
+    assert fig["states"] == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.environ.get("BELAYER_FULL_SUITE", "") != "1",
+                    reason="long variant (~1.5 min): BELAYER_FULL_SUITE=1")
+def test_a_node_cut_off_until_ray_declares_it_dead_is_excluded_and_leaves_when_its_link_returns(cluster, tmp_path):
+    fig = run_driver(__file__, cluster, tmp_path, TAG, 260, BELAYER_NETNS_SCENARIO="partition",
+                     BELAYER_NETNS_HEAL="ray")
+    assert fig["requests"] > 0 and fig["lost"] == 0 and fig["new_incarnation"] and not fig["old_url_in_router"]
+    assert fig["old_routed_after_detection"] == [] and fig["old_segments_after_detection"] == 0
+    assert not fig["b_alive_after_heal"] and fig["exclusion"].startswith("Ray reports node"), fig
+
+
+# -- the scenarios (in the driver subprocess) ------------------------------------------------------------------
+
+
+def ev(kind, subject=None):
+    return lambda e: e.kind == kind and (subject is None or e.subject == subject)
+
+
+def host_of(url: str) -> str:
+    return urlsplit(url).hostname or ""
+
+
+def listen_addrs(pid: int, port: int) -> list[str]:
+    """The local addresses of the TCP listeners on `port` in process `pid`'s network namespace."""
+    from belayer_plugin.ports import _parse_addr
+
+    out = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            addr, _, p = f[1].partition(":")
+            if f[3] == "0A" and int(p, 16) == port:
+                out.append(str(_parse_addr(addr)))
+    return out
+
+
+def fleet_cfg(*extra: str):
+    from tests.conftest import belayer_cfg
+    from tests.test_fleet_recovery import FAST
+
+    # 2 ms per decode step: a kill from the client side lands mid-generation. Probe budgets tolerate 2 loaded
+    # cores (the cluster's three raylets share them with the engines).
+    return belayer_cfg(*FAST, "belayer.engines.cpu_step_delay_ms=2", "belayer.recovery.stall_timeout_s=5",
+                       "belayer.monitor.probe_timeout_s=3", "belayer.monitor.failure_threshold=3",
+                       "belayer.monitor.progress.floor_s=5", *extra)
+
+
+def pin_first(nodes: dict[str, str]):
+    """actor_options: the first incarnation of each slot in `nodes` ({slot: node name}) on that node (its
+    custom resource); later incarnations are Belayer's to place."""
+    used: set[str] = set()
+
+    def opts(sid: str) -> dict:
+        if sid in nodes and sid not in used:
+            used.add(sid)
+            return {"resources": {f"netns_node_{nodes[sid]}": 0.01}}
+        return {}
+
+    return opts
+
+
+async def golden_ids(url: str) -> list[list[int]]:
+    import httpx
+
+    from belayer_plugin.generation.sglang_http import generate
+
+    async with httpx.AsyncClient(trust_env=False) as c:
+        return [(await generate(c, url, {"input_ids": p, "sampling_params": GREEDY}, 60))["output_ids"]
+                for p in PROMPTS]
+
+
+async def scenario_resume(cluster, run_dir: Path) -> dict:
+    """Engines on B and C; the router in the driver serves from both; a greedy stream on B's engine, whose
+    server is SIGKILLed (through its actor, on B) mid-generation, resumes on C with the fault-free ids."""
+    import httpx
+
+    from belayer_plugin.events import EventLog
+    from belayer_plugin.fleet.manager import FleetManager
+    from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
+    from belayer_plugin.generation.sglang_http import generate, get_json
+
+    ids = cluster.node_ids()
+    cfg = fleet_cfg()
+    fm = FleetManager(cfg, run_dir, EventLog(run_dir / "events.jsonl"), model_path=os.environ["BELAYER_TINY"])
+    fm.actor_options = pin_first({"engine-0": "b", "engine-1": "c"})
+    await fm.start()
+    fig: dict = {}
+    try:
+        e0, e1 = fm.slots["engine-0"].info, fm.slots["engine-1"].info
+        assert (e0.node_id, e1.node_id) == (ids["b"], ids["c"]), (e0, e1, ids)
+        fig["urls"] = {"engine-0": host_of(e0.url), "engine-1": host_of(e1.url)}
+        fig["listen"] = {sid: listen_addrs(fm.slots[sid].info.pid, urlsplit(fm.slots[sid].info.url).port)
+                         for sid in ("engine-0", "engine-1")}
+        golden = await golden_ids(e1.url)  # the driver reaches C's engine directly
+        # The router: its bind address is the driver's choice (router.host), and it reaches both nodes.
+        fig["router_host"] = host_of(fm.router.url)
+        assert await fm.router.worker_urls() == {e0.url, e1.url}
+        async with httpx.AsyncClient(trust_env=False) as c:
+            async def generated() -> list[int]:  # tokens each engine generated for requests (not probes)
+                return [(await get_json(c, u, "/get_server_info", 10))["belayer_counters"].get("generated_tokens", 0)
+                        for u in (e0.url, e1.url)]
+
+            before = await generated()
+            outs = [await generate(c, fm.router.url, {"input_ids": PROMPTS[0], "sampling_params": GREEDY}, 60)
+                    for _ in range(2)]  # round robin: one from each engine
+            fig["router_tokens_per_node"] = [a - b for a, b in zip(await generated(), before)]
+        fig["router_ok"] = sum(o["output_ids"] == golden[0] for o in outs)
+
+        gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, fm.events)
+        killed: dict = {}
+
+        def kill(clog, seg):  # B's engine, at its 20th token of a request: SIGKILL sent on node B by its actor
+            if seg.engine == "engine-0" and not killed and clog.committed >= 20:
+                killed.update(rid=clog.rid, t=time.time())
+                fm.slots["engine-0"].actor.kill.remote(signal.SIGKILL)
+
+        gen.observers.append(kill)
+        try:
+            res = await asyncio.gather(*(gen.generate(f"r{k}", PROMPTS[k], GREEDY) for k in range(len(PROMPTS))))
+        finally:
+            await gen.aclose()
+        assert killed, "no request ran on B's engine"
+        fig["requests"] = len(res)
+        fig["lost"] = sum(resp["output_ids"] != golden[k] for k, (_, resp) in enumerate(res))
+        clog = next(cl for cl, _ in res if cl.rid == killed["rid"])
+        fig["killed_seg_hosts"] = [host_of(s.url) for s in clog.segments]
+        det = await fm.events.wait_for(ev("detected", "engine-0"), 30, since=killed["t"])
+        fig["detect_s"] = round(det.t - killed["t"], 2)
+    finally:
+        await fm.shutdown()
+    return fig
+
+
+class Load:
+    """Greedy requests streaming through Belayer's fleet from `n` workers until stopped; every request's
+    ids are checked against the fault-free run, and the URLs its segments ran on are kept."""
+
+    def __init__(self, fm, cfg, golden: list[list[int]], n: int = 3):
+        from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
+
+        self.gen = ResumableGenerator(FleetSelector(fm), cfg.recovery, fm.events)
+        self.golden, self.n = golden, n
+        self.done = asyncio.Event()
+        self.results: list[tuple[int, list[int]]] = []
+        self.segments: list[tuple[float, str]] = []  # (start time, url) of every segment of every request
+
+    async def _worker(self, i: int) -> None:
+        n = 0
+        while not self.done.is_set() or n == 0:
+            k = (i + n) % len(PROMPTS)
+            clog, resp = await self.gen.generate(f"w{i}-{n}", PROMPTS[k], GREEDY)
+            self.results.append((k, resp["output_ids"]))
+            self.segments += [(seg.t_start, seg.url) for seg in clog.segments]
+            n += 1
+
+    async def run(self, fault) -> None:
+        try:
+            await asyncio.gather(fault(), *(self._worker(i) for i in range(self.n)))
+        finally:
+            await self.gen.aclose()
+
+    def tokens_on(self, engine: str, n: int = 10) -> asyncio.Event:
+        busy = asyncio.Event()
+        self.gen.observers.append(
+            lambda clog, seg: busy.set() if seg.engine == engine and clog.committed >= n else None)
+        return busy
+
+    def figures(self) -> dict:
+        lost = sum(1 for k, ids in self.results if ids != self.golden[k])
+        return {"requests": len(self.results), "lost": lost}
+
+
+async def two_node_fleet(cluster, run_dir: Path, *extra: str):
+    from belayer_plugin.events import EventLog
+    from belayer_plugin.fleet.manager import FleetManager
+
+    cfg = fleet_cfg(*extra)
+    fm = FleetManager(cfg, run_dir, EventLog(run_dir / "events.jsonl"), model_path=os.environ["BELAYER_TINY"])
+    fm.actor_options = pin_first({"engine-0": "b", "engine-1": "c"})
+    await fm.start()
+    ids = cluster.node_ids()
+    assert (fm.slots["engine-0"].info.node_id, fm.slots["engine-1"].info.node_id) == (ids["b"], ids["c"])
+    return fm, cfg, ids
+
+
+async def scenario_node_loss(cluster, run_dir: Path) -> dict:
+    """Every process in B's namespace SIGKILLed (its raylet, the engine's actor and server) while requests
+    stream: the engine's death is detected, its slot moves off B, B is excluded once Ray reports it dead,
+    and every request ends with the fault-free ids."""
+    fm, cfg, ids = await two_node_fleet(cluster, run_dir, "belayer.restart.node_check_timeout_s=30")
+    fig: dict = {}
+    try:
+        golden = await golden_ids(fm.slots["engine-1"].info.url)
+        load = Load(fm, cfg, golden)
+        busy = load.tokens_on("engine-0")
+
+        async def lose_b() -> None:
+            await asyncio.wait_for(busy.wait(), 60)
+            t = time.time()
+            fig["killed_processes"] = await asyncio.to_thread(cluster.kill_node, "b")
+            det = await fm.events.wait_for(ev("detected", "engine-0"), 30, since=t)
+            reg = await fm.events.wait_for(ev("registered", "engine-0"), 120, since=t)
+            exc = await fm.events.wait_for(ev("node_excluded", ids["b"]), 90, since=t)
+            fig.update(detect_s=round(det.t - t, 2), detect_reason=det.reason, replaced_s=round(reg.t - t, 2),
+                       excluded_s=round(exc.t - t, 2), exclusion=exc.reason)
+            load.done.set()
+
+        await load.run(lose_b)
+        fig.update(load.figures())
+        s0 = fm.slots["engine-0"]
+        fig["moved_to"] = next(k for k, v in cluster.node_ids().items() if v == s0.info.node_id)
+        fig["states"] = fm.states()
+    finally:
+        await fm.shutdown()
+    return fig
+
+
+async def scenario_partition(cluster, run_dir: Path) -> dict:
+    """B's link on the bridge taken down while requests stream (B's processes live on, cut off): the engine
+    is detected, its requests resume on C, its slot moves to a new incarnation; when the link returns, B's
+    old engine is never routed to again."""
+    # When B's link returns: at Belayer's detection (the default), or once Ray has declared B dead ("ray").
+    heal_when = os.environ.get("BELAYER_NETNS_HEAL", "detected")
+    # A cut-off engine answers nothing and Ray's liveness call on it neither returns nor fails: readiness
+    # probes find it (probe_timeout_s x failure_threshold).
+    fm, cfg, ids = await two_node_fleet(cluster, run_dir, "belayer.restart.node_check_timeout_s=30",
+                                        "belayer.monitor.probe_timeout_s=1.5", "belayer.monitor.failure_threshold=2")
+    fig: dict = {}
+    try:
+        old = fm.slots["engine-0"]
+        old_url, old_inc, old_pid = old.info.url, old.health.incarnation, old.info.pid
+        golden = await golden_ids(fm.slots["engine-1"].info.url)
+        load = Load(fm, cfg, golden)
+        busy = load.tokens_on("engine-0")
+        routed_old: list[float] = []  # times the router listed B's old engine after its detection
+
+        async def watch_router(since: float) -> None:
+            while not load.done.is_set():
+                if old_url in await fm.router.worker_urls():
+                    routed_old.append(time.time() - since)
+                await asyncio.sleep(0.2)  # the router's table has no change feed; polled while the load runs
+
+        async def cut_b() -> None:
+            await asyncio.wait_for(busy.wait(), 60)
+            t = time.time()
+            await asyncio.to_thread(cluster.partition, "b")
+            det = await fm.events.wait_for(ev("detected", "engine-0"), 60, since=t)
+            dereg = await fm.events.wait_for(ev("deregistered", "engine-0"), 30, since=t)
+            fig.update(detect_s=round(det.t - t, 2), detect_reason=det.reason, deregistered_s=round(dereg.t - t, 2))
+            watcher = asyncio.create_task(watch_router(dereg.t))
+            if heal_when == "ray":  # a silent peer fails Ray's health checks by timeout: ~30 s here
+                await fm.events.wait_for(ev("node_excluded", ids["b"]), 120, since=t)
+            th = time.time()
+            await asyncio.to_thread(cluster.heal, "b")
+            fig["healed_after_s"] = round(th - t, 2)
+            reg = await fm.events.wait_for(ev("registered", "engine-0"), 120, since=t)
+            fig["replaced_s"] = round(reg.t - t, 2)
+            await asyncio.sleep(3)  # requests keep flowing with B back on the bridge
+            fig["b_alive_after_heal"] = "b" in cluster.node_ids()
+            fig["old_server_alive_after_heal"] = _alive(old_pid)
+            exc = fm.events.find(ev("node_excluded", ids["b"]))
+            if exc:
+                fig.update(exclusion=exc[0].reason, excluded_s=round(exc[0].t - t, 2))
+            load.done.set()
+            await watcher
+            fig["old_routed_after_detection"] = routed_old
+            fig["old_segments_after_detection"] = sum(1 for ts, url in load.segments if url == old_url and ts > dereg.t)
+
+        await load.run(cut_b)
+        fig.update(load.figures())
+        s0 = fm.slots["engine-0"]
+        fig["moved_to"] = next((k for k, v in cluster.node_ids().items() if v == s0.info.node_id), "?")
+        fig["new_incarnation"] = s0.health.incarnation > old_inc and s0.info.url != old_url
+        fig["old_url_in_router"] = old_url in await fm.router.worker_urls()
+        fig["states"] = fm.states()
+    finally:
+        await fm.shutdown()
+    if not fig.get("b_alive_after_heal", True):  # Ray declared B dead: its raylet exits, then revive() restarts it
+        deadline = time.monotonic() + 60
+        while any(_comm(p) == "raylet" for p in cluster.node_pids("b")) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)  # its exit is no event here; the deadline bounds this
+    return fig
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+SCENARIOS = {"resume": scenario_resume, "node_loss": scenario_node_loss, "partition": scenario_partition}
+
+
+def main(run_dir: str) -> None:
+    os.environ.setdefault("BELAYER_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "belayer"))
+    from belayer_plugin.engines.tiny_model import ensure_tiny
+    from tests.netns_cluster import connect
+
+    os.environ["BELAYER_TINY"] = str(ensure_tiny(Path(os.environ["BELAYER_CACHE_DIR"]) / "tiny-qwen2"))
+    import ray
+
+    t0 = time.monotonic()
+    cluster = connect()
+    join_s = round(time.monotonic() - t0, 1)
+    try:
+        fig = asyncio.run(SCENARIOS[os.environ["BELAYER_NETNS_SCENARIO"]](cluster, Path(run_dir)))
+        fig["cluster_join_s"] = join_s
+        print(f"{TAG} " + json.dumps(fig), flush=True)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
