@@ -31,12 +31,41 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    cfg, raw = load_belayer_config(args.recipe, args.overrides)
     if args.action == "show":
+        _, raw = load_belayer_config(args.recipe, args.overrides)
         print(OmegaConf.to_yaml(raw))
-    else:
-        print(f"{args.recipe}: valid (use_fault_tolerance={cfg.use_fault_tolerance})")
+        return 0
+    cfg = _check_recipe(args.recipe, args.overrides)
+    print(f"{args.recipe}: valid (use_fault_tolerance={cfg.use_fault_tolerance})")
     return 0
+
+
+def _check_recipe(recipe: str, overrides: list[str]):
+    """`config check`: the belayer section, the reference loop's `loop` section when the recipe has one, and
+    the chaos trigger against that loop (what `belayer run` refuses at start-up); every problem at once."""
+    from belayer_plugin.config import load_recipe, validate, validate_section
+
+    raw = load_recipe(recipe, overrides)
+    if "belayer" not in raw:
+        load_belayer_config(recipe, overrides)  # raises its ConfigError, which says how to add the section
+    problems: list[str] = []
+    cfg = lc = None
+    try:
+        cfg = validate(raw.belayer)
+    except ConfigError as e:
+        problems += e.problems
+    if "loop" in raw:
+        from belayer_plugin.loop import LoopConfig, chaos_problems
+
+        try:
+            lc = validate_section(LoopConfig, raw.get("loop"), "loop")
+        except ConfigError as e:
+            problems += e.problems
+        if cfg is not None:
+            problems += chaos_problems(cfg, lc)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:

@@ -46,6 +46,7 @@ class Learner:
 
         done = sorted((int(p.name.removeprefix("step-")) for p in self.ckpt_dir.glob("step-*")
                        if (p / "COMPLETE").exists()), reverse=True)
+        self.found = sorted(done)  # complete checkpoints on disk when this learner started (its info says)
         for step in done:
             try:
                 blob = torch.load(self.ckpt_dir / f"step-{step}" / "state.pt", weights_only=False)
@@ -61,7 +62,7 @@ class Learner:
         return os.getpid()
 
     def info(self) -> dict:
-        return {"step": self.step, "resumed_from": self.resumed_from, "pid": os.getpid()}
+        return {"step": self.step, "resumed_from": self.resumed_from, "checkpoints": self.found, "pid": os.getpid()}
 
     def train_step(self, step: int, batch: list[dict]) -> dict:
         """One update from trajectories {token_ids, gen_mask, advantage}; returns {path, loss, step}."""

@@ -42,6 +42,10 @@ class LoopConfig:
     step_timeout_s: float = field(default=MISSING)
     shared_prefix_turns: int = field(default=MISSING)  # turns a GRPO group shares before its members diverge
     fork_groups: bool = field(default=MISSING)  # members get the prefix's environment by fork (else by replay)
+    # After the last step, recoveries still under way (an engine killed in the last refit, a restart backing
+    # off) finish before the fleet is shut down, waited for up to this long; the report's `fleet_at_end` says
+    # whether the run ended at full strength (fault tolerance on only).
+    end_recovery_timeout_s: float = field(default=MISSING)
 
     def problems(self) -> list[str]:
         out = []
@@ -52,6 +56,8 @@ class LoopConfig:
                 out.append(f"{name}: must be >= 1")
         if self.temperature < 0 or self.lr <= 0 or self.step_timeout_s <= 0:
             out.append("temperature >= 0, lr > 0 and step_timeout_s > 0 are required")
+        if self.end_recovery_timeout_s < 0:
+            out.append("end_recovery_timeout_s: must be >= 0")
         return out
 
 
@@ -70,6 +76,17 @@ def host_cpu_s() -> Optional[float]:
 
 def _loop_config(recipe: DictConfig) -> LoopConfig:
     return validate_section(LoopConfig, recipe.get("loop"), "loop")
+
+
+def chaos_problems(cfg: BelayerConfig, lc: Optional[LoopConfig]) -> list[str]:
+    """The chaos keys that cannot work with this loop (a trigger position it never reaches...), each with its
+    valid range; [] when chaos is off. Checked at start-up and by `belayer config check` (`lc` None: the loop
+    section is invalid, the position is not checked)."""
+    if not cfg.chaos.enabled:
+        return []
+    from belayer_plugin.chaos.positions import problems
+
+    return problems(cfg, lc)
 
 
 def _load_tokenizer(path: str) -> Any:
@@ -103,6 +120,9 @@ class ReferenceLoop:
         self.cfg = cfg
         self.on_step = on_step
         self.loop = _loop_config(recipe)
+        bad = chaos_problems(cfg, self.loop)
+        if bad:  # before anything starts: a fault that cannot land would be found out only after the run
+            raise ConfigError(bad)
         self.run_dir = make_run_dir(cfg)
         _refuse_used_run_dir(self.run_dir)
         self.events = EventLog(self.run_dir / "events.jsonl")
@@ -113,6 +133,8 @@ class ReferenceLoop:
         self.fleet: Any = None
         self.learner: Any = None
         self.learner_pid: Optional[int] = None
+        self.learner_info: dict = {}  # what the newest learner reported on start (its step, what it resumed)
+        self.fleet_at_end: dict = {}  # the fleet when the run ended (_settle_fleet)
         self.chaos: Any = None
         self.gen: Any = None  # the generation client (closed at clean-up)
         self.steps: list[dict] = []
@@ -132,6 +154,7 @@ class ReferenceLoop:
             self.fleet.model_path, str(self.run_dir), self.loop.lr, self.loop.seed)
         info = await self.learner.info.remote()
         self.learner_pid = info["pid"]
+        self.learner_info = info
         if info["resumed_from"] is not None:
             self.events.emit("learner", "learner", "resumed", f"from the checkpoint of step {info['resumed_from']}",
                              step=info["resumed_from"])
@@ -151,8 +174,13 @@ class ReferenceLoop:
                                     f"({'fault tolerance off' if not self.cfg.use_fault_tolerance else 'restart budget spent'})") from e
                 t0 = time.monotonic()
                 await self._new_learner()  # resumes from the newest complete checkpoint (step - 1)
+                # What the new learner itself reported (chaos/check.py judges the restart from it): the
+                # update it is at, the checkpoint it loaded (None: the initial weights) and those it found.
+                info = self.learner_info
                 self.events.emit("learner", "learner", "restarted", f"re-running step {step}",
-                                 took_s=round(time.monotonic() - t0, 3))
+                                 took_s=round(time.monotonic() - t0, 3), step=step,
+                                 learner_step=info.get("step"), resumed_from=info.get("resumed_from"),
+                                 checkpoints_found=info.get("checkpoints"))
 
     def _backend(self) -> Any:
         from belayer_plugin.sandbox.factory import make_backend
@@ -320,6 +348,9 @@ class ReferenceLoop:
             self._say(f"[step {step}/{lc.num_steps}] {'#' * step}{'.' * (lc.num_steps - step)} "
                       f"{len(done)} trajectories, mean reward {statistics.fmean(rewards):+.2f}, loss {out['loss']:+.4f}, "
                       f"weights v{step} on {len(served)} engine(s), {time.monotonic() - t_step:.1f} s")
+        if cfg.use_fault_tolerance:
+            await self._settle_fleet()
+            self.fleet.raise_if_fatal()  # below the floor by the end: the typed failure, as after any step
         if self.chaos is not None and self.fleet.shadows is not None and "standby_replaced" in cfg.chaos.expect:
             # A chaos run that expects a standby's replacement shows it through: replacements still starting
             # in the background finish (or fail, reported) before shutdown, however long a start takes on a
@@ -327,6 +358,60 @@ class ReferenceLoop:
             pending = [t for t in getattr(self.fleet.shadows, "_tasks", ()) if not t.done()]
             if pending:
                 await asyncio.wait(pending, timeout=lc.step_timeout_s)
+
+    async def _settle_fleet(self) -> None:
+        """After the last step: an engine that died late (in the last refit, say) is found, and recoveries
+        under way finish before shutdown, bounded by loop.end_recovery_timeout_s; `fleet_at_end` (and the
+        report) says whether the run ended at full strength. A run the fleet answered in time costs a
+        liveness call per engine."""
+        import ray
+
+        from belayer_plugin.fleet.health import Signal, State
+
+        fleet, t0 = self.fleet, time.monotonic()
+        timeout = self.loop.end_recovery_timeout_s
+
+        async def check_alive(s: Any) -> None:  # the monitor may not have seen a death of the last moment
+            try:
+                alive = await asyncio.wait_for(s.actor.server_alive.remote(), self.cfg.monitor.liveness_timeout_s)
+            except (asyncio.TimeoutError, ray.exceptions.RayError):
+                alive = None  # unreachable is not dead: the monitor's own path decides
+            except Exception:
+                alive = None
+            if alive is False:
+                await fleet.report(s.slot_id, Signal.LIVENESS_LOST, "server found dead at the end of the run",
+                                   url=s.info.url if s.info is not None else None)
+
+        await asyncio.gather(*(check_alive(s) for s in list(fleet.slots.values())
+                               if s.actor is not None and s.health.state in (State.HEALTHY, State.SUSPECT)))
+
+        def pending() -> dict[str, asyncio.Task]:  # a recovery task runs until its events are written
+            return {sid: s.recovery for sid, s in fleet.slots.items()
+                    if s.recovery is not None and not s.recovery.done()}
+
+        waited_for = sorted(pending())
+        deadline = t0 + timeout
+        while (tasks := pending()) and fleet.fatal is None and (left_s := deadline - time.monotonic()) > 0:
+            await asyncio.wait(list(tasks.values()), timeout=left_s)  # a slot that dies again: a new task
+        states = fleet.states()
+        serving = sorted(sid for sid, st in states.items() if st == State.HEALTHY.value)
+        left = sorted(pending())
+        self.fleet_at_end = {
+            "full_strength": len(serving) == len(states), "serving": len(serving), "engines": len(states),
+            "states": states, "waited_for": waited_for, "still_recovering": left,
+            "waited_s": round(time.monotonic() - t0, 3), "timed_out": bool(left)}
+        if waited_for or not self.fleet_at_end["full_strength"]:
+            full = self.fleet_at_end["full_strength"]
+            self.events.emit("loop", "fleet", "end_state",
+                             (f"full strength after waiting for the recovery of {', '.join(waited_for)}" if full else
+                              f"ended BELOW full strength: {len(serving)} of {len(states)} engines serving"
+                              + (f"; still recovering after {timeout:g} s (loop.end_recovery_timeout_s): "
+                                 f"{', '.join(left)}" if left else "")),
+                             level="info" if full else "warning", **{k: v for k, v in self.fleet_at_end.items()
+                                                                     if k != "states"})
+            self._say(f"[belayer] fleet at the end: {len(serving)} of {len(states)} engines serving"
+                      + (f" (waited {self.fleet_at_end['waited_s']:.1f} s for {', '.join(waited_for)})"
+                         if waited_for else "") + ("" if full else " -- BELOW FULL STRENGTH"))
 
     async def _cleanup(self) -> None:
         import ray

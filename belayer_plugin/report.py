@@ -40,6 +40,8 @@ def build(loop: Any, status: str, error: Any, duration_s: float) -> dict:
             "engines_retired": sum(1 for e in evs if e.kind == "transition" and e.to_state == "RETIRED"),
         },
         "final_states": loop.fleet.states() if loop.fleet is not None else {},
+        # Whether the run ended at full strength, after waiting for recoveries under way (loop._settle_fleet)
+        "fleet_at_end": getattr(loop, "fleet_at_end", {}),
         # Every fleet verdict with its evidence (fleet/nodes.py) and every quarantined request.
         "node_exclusions": [{"node": e.subject, "kind": e.kind, "reason": e.reason} for e in evs
                             if e.kind in ("node_excluded", "node_exclusion_refused", "node_readmitted")],
@@ -72,6 +74,10 @@ def render(rep: dict) -> str:
         out.append(f"node {x['node'][:12]}: {x['kind'].replace('_', ' ')}: {x['reason']}")
     for x in rep.get("poison_requests", []):
         out.append(f"poison request {x['rid']}: {x['reason']}")
+    end = rep.get("fleet_at_end") or {}
+    if end and not end.get("full_strength", True):
+        out.append(f"fleet at the end: BELOW FULL STRENGTH, {end['serving']} of {end['engines']} engines serving"
+                   + (f"; still recovering: {', '.join(end['still_recovering'])}" if end.get("still_recovering") else ""))
     if rep["lost"]:
         out.append(f"LOST: {len(rep['lost'])} trajectories; first: {rep['lost'][0]['error']}")
     if rep["error"]:

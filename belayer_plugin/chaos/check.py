@@ -36,9 +36,17 @@ def _fig(e: Ev, key: str, default=None):
 
 
 # ---------------------------------------------------------------- the named recoveries
-# Each takes (events, the first delivered inject event, run dir) and returns a violation or None.
+# Each takes (events, the first delivered inject event, run dir) and returns a violation or None. Each
+# docstring states the check's precondition (where the fault must land for the recovery to be observable)
+# and what it accepts; belayer_plugin/chaos/positions.py refuses, before a run starts, every trigger position
+# of a recipe at which a precondition cannot hold, so at every position it accepts the check can pass.
+# Faults in the last phase of a run: the loop waits (loop.end_recovery_timeout_s) for every recovery under
+# way before it shuts the fleet down, so a check sees the recovery's events wherever the fault landed; a run
+# that ended below full strength says so in its report (`fleet_at_end`) and its replacement checks fail.
 
 def _resumed_midway(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    """Precondition: the kill lands while a request generates, after its first token and before its last
+    (token trigger 1..tokens_per_turn-1). Accepts: a request resumed from a committed position > 0."""
     res = _find(evs, "recovery", "resumed", inj["t"])
     if any((_fig(e, "committed") or 0) > 0 for e in res):
         return None
@@ -50,6 +58,8 @@ def _resumed_midway(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
 
 
 def _handover(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    """Precondition: a ready standby when the engine dies (shadow.num_standby >= 1, not spent). Accepts: a
+    handover of the victim's slot after the fault."""
     tgt = _fig(inj, "target")
     if _find(evs, "shadow", "handover", inj["t"], lambda e: e["subject"] == tgt):
         return None
@@ -59,14 +69,25 @@ def _handover(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
 
 
 def _engine_replaced(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    """Precondition: none on the position: a kill at any step, the last refit included, is answered. A fault
+    in the last phase of the run is not left behind: the loop waits for the recovery under way (bounded by
+    loop.end_recovery_timeout_s) before it shuts the fleet down, and the report's `fleet_at_end` says when the
+    run ended below full strength. Accepts: a handover or a restart of the victim's slot after the fault; an
+    end state below full strength fails (the recovery did not finish), named as such."""
     tgt = _fig(inj, "target")
     if _find(evs, "shadow", "handover", inj["t"], lambda e: e["subject"] == tgt) or \
             _find(evs, "restart", "restarted", inj["t"], lambda e: e["subject"] == tgt):
         return None
+    end = _find(evs, "loop", "end_state", inj["t"])
+    if end and tgt in (_fig(end[-1], "still_recovering") or []):
+        return (f"{tgt} got no new engine: its recovery was still under way when the run ended "
+                f"({end[-1]['reason']})")
     return f"{tgt} got no new engine (neither a handover nor a restart) after the fault"
 
 
 def _engine_detected(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    """Precondition: none on the position (a death the monitor has not seen by the end of the run is found by
+    the loop's liveness check before shutdown). Accepts: the monitor declared the victim dead after the fault."""
     tgt = _fig(inj, "target")
     if _find(evs, "monitor", "detected", inj["t"], lambda e: e["subject"] == tgt):
         return None
@@ -74,6 +95,9 @@ def _engine_detected(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
 
 
 def _standby_replaced(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    """Precondition: a ready standby to kill. The loop waits for replacements still starting before shutdown
+    when this is expected, so a kill at the last step is covered. Accepts: the standby noticed lost, then
+    another one ready."""
     tgt = _fig(inj, "target")
     lost = _find(evs, "shadow", "shadow_lost", inj["t"], lambda e: e["subject"] == tgt)
     if not lost:
@@ -84,6 +108,10 @@ def _standby_replaced(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
 
 
 def _refit_before_serving(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    """Precondition: a refit follows the kill (a step trigger's kill at paused or refit comes before its step's
+    refit: every step qualifies, the last included, since the replacement that comes after the last refit is
+    waited for). Accepts: the replacement registered with the fleet's current version and served the first
+    version refit after the kill."""
     tgt = _fig(inj, "target")
     if not (_find(evs, "shadow", "handover", inj["t"], lambda e: e["subject"] == tgt) or
             _find(evs, "restart", "restarted", inj["t"], lambda e: e["subject"] == tgt)):
@@ -112,6 +140,9 @@ def _rollback_from_checkpoint(evs: list[Ev], inj: Ev) -> tuple[Optional[Ev], lis
 
 
 def _restored_from_checkpoint(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    """Precondition: a sandbox checkpoint at or before the kill's boundary (action trigger at >=
+    sandbox.policy.every_n_actions; boundary 0 is the base image, never checkpointed). Accepts: a rollback of
+    the victim from a checkpoint whose restore was recorded."""
     tgt = _fig(inj, "target")
     rb, rbs = _rollback_from_checkpoint(evs, inj)
     if rb is None:
@@ -125,6 +156,7 @@ def _restored_from_checkpoint(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional
 
 
 def _criu_restore(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    """Precondition: as restored_from_checkpoint, and a working CRIU. Accepts: that restore in mode full."""
     rb, _ = _rollback_from_checkpoint(evs, inj)
     if rb is None:
         return "no restore from a checkpoint, so no CRIU restore"
@@ -137,6 +169,8 @@ def _criu_restore(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
 
 
 def _restore_retried(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    """Precondition: as restored_from_checkpoint (a restore must run for the second kill to hit it). Accepts:
+    the killed restore retried, then the victim restored from a checkpoint."""
     tgt = _fig(inj, "target")
     kills = _find(evs, "chaos", "inject", inj["t"], lambda e: e is not inj and "restore" in e["reason"])
     if not kills:
@@ -152,6 +186,9 @@ def _restore_retried(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
 
 
 def _checkpoint_discarded(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+    """Precondition: the run makes at least `at` checkpoint calls (positions.py counts those certain).
+    Accepts: the checkpoint the kill hit failed, was never published, left no staging directory, and its
+    trajectory was recovered."""
     tgt = _fig(inj, "target")
     failed = _find(evs, "sandbox", "checkpoint_failed", inj["t"], lambda e: e["subject"] == tgt)
     if not failed:
@@ -170,11 +207,34 @@ def _checkpoint_discarded(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str
 
 
 def _learner_restarted(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
-    if not _find(evs, "learner", "restarted", inj["t"]):
+    """Precondition: the learner is killed before step N's update (step trigger, victim_state paused), when
+    the checkpoints of steps 1..N-1 are complete and none of step N exists. So the new learner must resume
+    from the checkpoint of step N-1, or, killed before its first checkpoint (N = 1), start from the initial
+    weights, and re-run step N. Judged from what the run reports: the step the loop re-ran, and what the new
+    learner itself said it found on disk, loaded and is at (its `info`, in the `restarted` event); that the
+    re-run step's result is right is the golden comparison's (identical loss and weights version)."""
+    rs = _find(evs, "learner", "restarted", inj["t"])
+    if not rs:
         return "the learner was never restarted after the kill"
-    res = _find(evs, "learner", "resumed", inj["t"])
-    if not res or (_fig(res[0], "step") or 0) < 1:
-        return "the new learner did not resume from a checkpoint (it started from the initial weights)"
+    r = rs[0]
+    rerun, at, resumed = _fig(r, "step"), _fig(r, "learner_step"), _fig(r, "resumed_from")
+    found = _fig(r, "checkpoints_found")
+    if rerun is None or at is None or found is None:
+        return "the restart does not say which step it re-ran and what the new learner loaded (no evidence)"
+    killed = _fig(inj, "step")
+    if killed is not None and rerun != killed:
+        return f"the learner was killed before step {killed}'s update but step {rerun} was re-run"
+    if rerun == 1:  # killed before its first checkpoint existed: only the initial weights are right
+        if found or resumed is not None or at != 0:
+            return (f"killed before step 1's update, the new learner should start from the initial weights, but "
+                    f"it found checkpoints {found}, resumed from {resumed} and is at step {at}")
+        return None
+    if resumed is None:
+        return (f"the new learner did not resume from a checkpoint (it started from the initial weights; found "
+                f"{found}), but step {rerun - 1}'s must exist before step {rerun}'s update")
+    if resumed != rerun - 1 or at != rerun - 1 or resumed != max(found):
+        return (f"the new learner resumed from the checkpoint of step {resumed} (at step {at}, found {found}); "
+                f"re-running step {rerun} needs the newest, step {rerun - 1}'s")
     return None
 
 
