@@ -414,6 +414,57 @@ def test_weight_sync_abort_in_async_mode_waits_for_wake_up_and_reports_both_vers
     run.finish_step()
 
 
+def _direct_client(run, **recovery):
+    """A Belayer client in this process over the run's balancer, with its own recovery knobs."""
+    from omegaconf import OmegaConf
+
+    from belayer_plugin.hooks.verl.client import BelayerLLMServerClient
+
+    cfg = OmegaConf.create(OmegaConf.to_container(run.cfg, resolve=False))
+    cfg.belayer.recovery = OmegaConf.merge(cfg.belayer.recovery, recovery)
+    return BelayerLLMServerClient(cfg, run.lb)
+
+
+def _counters(url: str) -> dict:
+    return httpx.get(f"{url}/server_info", timeout=30).json()["belayer_counters"]
+
+
+HOLD_S = 7.0  # the fault: both engines hold their requests this long, past the client's first check (stall + 5 s)
+
+
+def test_a_chunk_held_past_the_stall_timeout_on_a_live_server_waits_and_one_given_up_is_aborted_there(run, golden):
+    """verl's servers answer a chunk whole: no token shows progress. A chunk held in a live server's queue past
+    recovery.stall_timeout_s is waited for (the actor answers Ray), not moved; one given up on (past the request
+    deadline) is aborted on its server, which the engine's own counter shows."""
+    prompt = list(range(40, 52))
+    sp = {"temperature": 0.0, "max_tokens": 24, "logprobs": False}
+    urls = [r.server_address for r in run.ckpt.replicas]
+    patient = _direct_client(run, stall_timeout_s=0.2)
+    want = asyncio.run(patient.generate("held-ref", prompt_ids=prompt, sampling_params=dict(sp)))
+
+    async def held(client, rid):
+        async with httpx.AsyncClient(timeout=10) as h:
+            for u in urls:
+                (await h.post(f"{u}/pause_generation", json={})).raise_for_status()
+            task = asyncio.create_task(client.generate(rid, prompt_ids=prompt, sampling_params=dict(sp)))
+            try:
+                await asyncio.sleep(HOLD_S)  # the fault's length, not a synchronisation
+            finally:
+                for u in urls:
+                    (await h.post(f"{u}/continue_generation", json={})).raise_for_status()
+            return await asyncio.wait_for(task, 120)
+
+    out = asyncio.run(held(patient, "held-1"))
+    assert out.token_ids == want.token_ids
+    assert out.extra_fields["belayer"]["attempts"] == 1, out.extra_fields["belayer"]  # never moved
+    before = [_counters(u)["aborted"] for u in urls]
+    impatient = _direct_client(run, stall_timeout_s=0.2, request_timeout_s=1, max_attempts=1)
+    with pytest.raises(Exception):  # out of time and attempts (the request's error, whichever ends it first)
+        asyncio.run(held(impatient, "held-2"))
+    after = [_counters(u)["aborted"] for u in urls]
+    assert sum(after) > sum(before), (before, after)  # the chunk given up on was aborted on its engine
+
+
 def test_below_the_healthy_floor_the_typed_error_names_the_replicas(run, golden):
     from dataclasses import replace
 

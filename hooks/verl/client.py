@@ -285,8 +285,7 @@ class BelayerLLMServerClient(LLMServerClient):
             sp.update(max_tokens=n, logprobs=body.get("return_logprob", False))
             wait = timeout
             while True:
-                out = await asyncio.wait_for(handle.generate.remote(
-                    request_id=body["rid"], prompt_ids=body["input_ids"], sampling_params=sp), wait + 5)
+                out = await self._chunk(handle, body["rid"], body["input_ids"], sp, wait)
                 chunk = _sglang_shaped(out, n, self._stop_ids(sp))
                 if chunk["meta_info"]["finish_reason"]["type"] != "abort" or not self.partial_rollout:
                     break
@@ -308,6 +307,41 @@ class BelayerLLMServerClient(LLMServerClient):
             raise GenerateError(server_id, f"{type(e.as_instanceof_cause()).__name__}: {e}"[:300]) from e
         except asyncio.TimeoutError as e:
             raise GenerateError(server_id, f"no answer within {time.monotonic() - t0:.1f} s") from e
+
+    async def _chunk(self, handle: Any, rid: str, prompt_ids: list[int], sp: dict, wait: float) -> Any:
+        """One chunk's RPC to a verl server actor. Its answer comes whole (no token to watch), so `wait` passing
+        is not by itself a hang: the chunk may sit in the queue of a busy server. While the actor answers Ray's
+        readiness call the wait goes on, up to recovery.request_timeout_s in all; a chunk given up on is
+        aborted on its server (verl's `abort_request`), which would otherwise decode it for nobody."""
+        async def call() -> Any:
+            return await handle.generate.remote(request_id=rid, prompt_ids=prompt_ids, sampling_params=sp)
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(wait, self.belayer.recovery.request_timeout_s)
+        fut = asyncio.ensure_future(call())
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), wait + 5)
+                except asyncio.TimeoutError:
+                    if loop.time() >= deadline or not await self._answers(handle):
+                        raise
+        except BaseException:
+            if not fut.done():
+                fut.cancel()
+                try:  # fire and forget: the server may be gone; the chunk goes on elsewhere either way
+                    handle.abort_request.remote(request_id=rid)
+                except Exception:  # noqa: BLE001  (no such method on this server kind, or no actor)
+                    pass
+            raise
+
+    async def _answers(self, handle: Any) -> bool:
+        """Whether the server actor answers Ray's readiness call within monitor.liveness_timeout_s."""
+        try:
+            await asyncio.wait_for(handle.__ray_ready__.remote(), self.belayer.monitor.liveness_timeout_s)
+            return True
+        except (asyncio.TimeoutError, ray.exceptions.RayActorError):
+            return False
 
     def _stop_ids(self, sp: dict) -> frozenset:
         ids = frozenset(int(i) for i in sp.get("stop_token_ids") or ())

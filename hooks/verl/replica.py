@@ -52,6 +52,7 @@ class BelayerServer:
         self.client: Any = None
         self.seq = 0
         self.served = 0  # tokens served so far (tests await progress with wait_served)
+        self.running: dict[str, str] = {}  # verl request id -> the engine's request id, while it runs
         self._progress = asyncio.Condition()
 
     async def start(self) -> str:
@@ -93,7 +94,11 @@ class BelayerServer:
         self.seq += 1
         body = {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": want_lp,
                 "rid": f"{request_id}-{self.seq}"}
-        r = await self.client.post(f"{self.engine.url}/generate", json=body, timeout=None)
+        self.running[request_id] = body["rid"]
+        try:
+            r = await self.client.post(f"{self.engine.url}/generate", json=body, timeout=None)
+        finally:
+            self.running.pop(request_id, None)
         r.raise_for_status()
         out = r.json()
         meta = out["meta_info"]
@@ -118,6 +123,15 @@ class BelayerServer:
     async def _post(self, path: str, body: Optional[dict] = None) -> None:
         r = await self.client.post(f"{self.engine.url}{path}", json=body or {}, timeout=60)
         r.raise_for_status()
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict[str, Any]:
+        """verl's vLLM server call: aborts one request on the engine (its partial output is discarded)."""
+        rid = self.running.get(request_id)
+        if rid is None:
+            return {"aborted": False, "request_id": request_id, "error": "Request not found"}
+        r = await self.client.post(f"{self.engine.url}/abort_request", json={"rid": rid}, timeout=60)
+        r.raise_for_status()
+        return {"aborted": True, "request_id": request_id}
 
     async def abort_all_requests(self, reject_request: bool = False) -> None:
         self.open.clear()

@@ -119,9 +119,6 @@ class VllmServerStandin(BelayerServer):
     async def open_submission_gate(self) -> None:
         await super().resume_generation()
 
-    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
-        return {"aborted": False, "request_id": request_id, "error": "not found"}
-
     async def get_slept(self) -> int:
         return self.slept
 
