@@ -480,14 +480,29 @@ class FleetManager:
         except RouterError as e:
             await self._on_signal(s.slot_id, Signal.REQUEST_FAILED, s.health.incarnation, f"register failed: {e}")
 
+    def on_driver_node(self, node_id: Optional[str]) -> bool:
+        """Whether a process Ray placed on `node_id` shares this (the driver's) machine, so that its PID means
+        the same process here. Across machines a PID names some other process of the driver's host."""
+        import ray
+
+        return node_id is not None and node_id == ray.get_runtime_context().get_node_id()
+
     async def _kill(self, s: Slot) -> None:
         import ray
 
         if s.info is not None:
-            try:  # the server first: a SIGSTOPped process still takes SIGKILL
-                os.killpg(s.info.pid, _signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            if self.on_driver_node(s.info.node_id):
+                try:  # the server first: a SIGSTOPped process still takes SIGKILL
+                    os.killpg(s.info.pid, _signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            elif s.actor is not None:
+                # Another machine: the engine's actor signals its own server. A hung actor cannot; its server
+                # dies with it (PR_SET_PDEATHSIG) when Ray kills the actor below.
+                try:
+                    await asyncio.wait_for(s.actor.kill.remote(_signal.SIGKILL), self.cfg.monitor.liveness_timeout_s)
+                except Exception:  # noqa: BLE001  (hung or gone: the actor's own death takes the server)
+                    pass
         if s.actor is not None:
             ray.kill(s.actor, no_restart=True)
 
