@@ -202,6 +202,9 @@ class RestartConfig:
     node_exclusion_slots: int = _req()
     node_exclusion_decay_s: float = _req()  # an excluded node is re-admitted after this long (0: never)
     node_check_timeout_s: float = _req()  # how long a death with an unreachable actor asks Ray about its node
+    # A slot retired for its spent budget is tried again (budget renewed) after this long; one retired while its
+    # node was excluded waits for the exclusion to lift as well. 0: retired for good.
+    retire_cooldown_s: float = _req()
 
     def problems(self) -> list[str]:
         out = []
@@ -209,6 +212,8 @@ class RestartConfig:
             out.append("node_exclusion_slots: must be >= 2 (one slot's deaths are never node evidence)")
         if self.node_exclusion_decay_s < 0 or self.node_check_timeout_s < 0:
             out.append("node_exclusion_decay_s and node_check_timeout_s: must be >= 0")
+        if self.retire_cooldown_s < 0:
+            out.append("retire_cooldown_s: must be >= 0 (0: a retired slot stays retired)")
         if self.max_restarts < 0:
             out.append("max_restarts: must be >= 0")
         if self.window_s <= 0:

@@ -373,8 +373,15 @@ async def burst_round(fm: Any, gen: Any, prompts: list[list[int]], tokens: int, 
     done = asyncio.Event()
     results: list[tuple[int, list[int]]] = []
     lost: list[str] = []
+    lost_above_floor: list[str] = []  # lost while the fleet was not below its floor: never allowed
     faults: list[dict] = []
     t0 = time.time()
+    floor = max(1, cfg.restart.min_healthy_engines)
+
+    def above_floor() -> bool:
+        """Whether the fleet is at or above restart.min_healthy_engines (its usable slots: not RETIRED, as the
+        policy's floor check counts them; a slot restarting comes back) and the run has not failed on it."""
+        return fm.fatal is None and sum(1 for st in fm.states().values() if st != "RETIRED") >= floor
 
     async def worker(i: int) -> None:
         n = 0
@@ -385,6 +392,8 @@ async def burst_round(fm: Any, gen: Any, prompts: list[list[int]], tokens: int, 
                 results.append((k, resp["output_ids"]))
             except Exception as e:  # a lost request: counted, never hidden
                 lost.append(f"burst-w{i}-{n}: {type(e).__name__}: {str(e)[:200]}")
+                if above_floor():
+                    lost_above_floor.append(lost[-1])
             n += 1
 
     async def fire(kind: str, slot: str, pid: int, sig: int, group: bool = True) -> float:
@@ -426,6 +435,9 @@ async def burst_round(fm: Any, gen: Any, prompts: list[list[int]], tokens: int, 
     finally:
         gen.observers.remove(progress)
     bad = list(lost)
+    if lost_above_floor:
+        bad.append(f"{len(lost_above_floor)} request(s) lost while the fleet was above its floor "
+                   f"(restart.min_healthy_engines={cfg.restart.min_healthy_engines})")
     if isinstance(outs[0], BaseException):
         bad.append(f"the burst stopped after {len(faults)} fault(s): {type(outs[0]).__name__}: {outs[0]}"[:400])
     bad += [f"a client failed: {o!r}"[:300] for o in outs[1:] if isinstance(o, BaseException)]
@@ -465,8 +477,8 @@ async def burst_round(fm: Any, gen: Any, prompts: list[list[int]], tokens: int, 
             dets.append(round(d[0].t - f["t"], 3) if d else None)
     hos = [e.figures.get("took_s") for e in events.find(lambda e: e.kind == "handover" and e.t >= t0)]
     return {"faults": [f["kind"] for f in faults], "burst_s": round(burst_s, 1), "requests": len(results) + len(lost),
-            "completed": len(results), "lost": len(lost), "inconsistent": inconsistent,
-            "resumed": len(events.find(lambda e: e.kind == "resumed" and e.t >= t0)),
+            "completed": len(results), "lost": len(lost), "lost_above_floor": len(lost_above_floor),
+            "inconsistent": inconsistent, "resumed": len(events.find(lambda e: e.kind == "resumed" and e.t >= t0)),
             "detection_s": dets, "handovers": len(hos), "handover_s": hos,
             "cold_restarts": len(events.find(lambda e: e.kind == "restarted" and e.t >= t0)),
             "backoffs": len(events.find(lambda e: e.kind == "backoff" and e.t >= t0)),
@@ -518,6 +530,7 @@ async def _burst_campaign(cfg: Any, run_dir: Path, bursts: int, concurrency: int
     return {"campaign": "engines", "burst": True, "engine_kind": cfg.engines.kind, "bursts": len(rounds),
             "faults": sum(len(r["faults"]) for r in rounds), "requests": sum(r["requests"] for r in rounds),
             "completed": sum(r["completed"] for r in rounds), "lost": sum(r["lost"] for r in rounds),
+            "lost_above_floor": sum(r["lost_above_floor"] for r in rounds),
             "inconsistent": sum(r["inconsistent"] for r in rounds), "regenerated_tokens": None,  # not counted here
             "violations": sum(len(r["violations"]) for r in rounds), "failures": failures, "stats": dict(stats),
             "rounds": rounds, "fleet_start_s": start_s, "duration_s": round(time.monotonic() - t0, 1)}
@@ -621,7 +634,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"RESULT envs trials={s['trials']} violations={s['violations']} "
                       f"kills_delivered={s['stats'].get('kills_delivered', 0)}")
             else:
-                print(f"RESULT engines faults={s['faults']} requests={s['requests']} lost={s['lost']} "
+                above = f"lost_above_floor={s['lost_above_floor']} " if "lost_above_floor" in s else ""
+                bad += s.get("lost_above_floor", 0)  # a burst campaign fails on any, whatever else it counts
+                print(f"RESULT engines faults={s['faults']} requests={s['requests']} lost={s['lost']} {above}"
                       f"inconsistent={s['inconsistent']} regenerated_tokens={s['regenerated_tokens']} "
                       f"violations={s['violations']}")
             for f in s["failures"][:5]:

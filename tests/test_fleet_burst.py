@@ -47,6 +47,7 @@ async def test_burst_of_mixed_faults_loses_nothing_and_the_fleet_comes_back_with
         assert fig["faults"][:4] == list(BURST_FAULTS[:4]) and fig["burst_s"] < fm.cfg.shadow.fault_window_s
         # No request lost, none changed; some were resumed mid-way.
         assert fig["requests"] == fig["completed"] > 0 and fig["lost"] == fig["inconsistent"] == 0
+        assert fig["lost_above_floor"] == 0
         assert fig["resumed"] >= 2
         # Back to full strength, standbys included; one slot's repeated deaths excluded no node.
         assert fm.states() == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}
@@ -61,3 +62,20 @@ async def test_burst_of_mixed_faults_loses_nothing_and_the_fleet_comes_back_with
         assert max(dets[:2] + dets[3:]) < 2.0  # kills: Ray liveness, well under a second
         m = fm.cfg.monitor
         assert dets[2] < m.probe_interval_s + m.failure_threshold * m.probe_timeout_s + 2.0  # the hang
+
+
+def test_soak_burst_reports_requests_lost_above_the_floor_and_fails_the_campaign_on_any(tmp_path, monkeypatch,
+                                                                                         capsys):
+    from belayer_plugin import soak
+
+    def campaign(lost_above_floor):
+        return {"campaign": "engines", "burst": True, "faults": 5, "requests": 40, "completed": 39, "lost": 1,
+                "lost_above_floor": lost_above_floor, "inconsistent": 0, "regenerated_tokens": None,
+                "violations": 0, "failures": [], "stats": {}, "rounds": []}
+
+    for n, rc in ((0, 0), (1, 1)):
+        monkeypatch.setattr(soak, "run_burst_campaign", lambda *a, n=n, **k: campaign(n))
+        out = tmp_path / f"out{n}"
+        assert soak.main(["engines", "--burst", "--no-progress", "--out", str(out)]) == rc
+        result = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT engines"))
+        assert f"lost_above_floor={n} " in result

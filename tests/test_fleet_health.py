@@ -18,6 +18,7 @@ ALLOWED = {
     (State.DEAD, State.RESTARTING), (State.DEAD, State.RETIRED),
     (State.RESTARTING, State.STALE), (State.RESTARTING, State.DEAD),
     (State.STALE, State.HEALTHY), (State.STALE, State.DEAD),
+    (State.RETIRED, State.RESTARTING),
 }
 
 
@@ -36,10 +37,20 @@ def test_every_state_signal_pair_moves_only_along_allowed_edges(state, signal):
         assert h.history[-1] == tr
 
 
-def test_retired_is_terminal():
+def test_retired_leaves_only_on_the_managers_retry_as_a_new_incarnation():
     h = _in(State.RETIRED)
-    assert all(h.apply(sig, 1.0) is None for sig in Signal)
+    assert all(h.apply(sig, 1.0) is None for sig in Signal if sig is not Signal.RETRY)
     assert h.state is State.RETIRED
+    tr = h.apply(Signal.RETRY, 2.0, incarnation=0)
+    assert (tr.from_state, tr.to_state) == (State.RETIRED, State.RESTARTING) and h.incarnation == 1
+    assert h.apply(Signal.STARTED, 3.0, incarnation=0) is None  # news of the retired incarnation stays stale
+    assert h.apply(Signal.STARTED, 3.0, incarnation=1).to_state is State.STALE
+
+
+def test_retry_moves_no_slot_that_is_not_retired():
+    for state in State:
+        if state is not State.RETIRED:
+            assert _in(state).apply(Signal.RETRY, 1.0) is None
 
 
 def test_probe_failures_reach_dead_exactly_at_threshold_and_success_clears_suspicion():
@@ -136,3 +147,15 @@ def test_floor_counts_restarting_engines_but_not_retired_ones_and_names_each_eng
     msg = str(ei.value)
     assert "only 1 usable engine(s)" in msg and "min_healthy_engines=2" in msg
     assert "engine-0: HEALTHY" in msg and "engine-1: RETIRED" in msg and "engine-2: RETIRED" in msg
+
+
+def test_a_renewed_budget_restarts_without_backoff_and_other_engines_keep_theirs():
+    p = _policy(max_restarts=2, window_s=100.0)
+    for e in ("e", "other"):
+        p.record_restart(e, 0.0)
+        p.record_restart(e, 1.0)
+    assert p.decide("e", 2.0).action == "retire"
+    p.renew("e")
+    d = p.decide("e", 2.0)
+    assert d.action == "restart" and d.restarts_in_window == 0 and d.delay_s == 1.0
+    assert p.decide("other", 2.0).action == "retire"

@@ -4,7 +4,8 @@
     SUSPECT --progress resumed--> HEALTHY      HEALTHY|SUSPECT --progress hung (stall + failed probe)--> DEAD
     HEALTHY|SUSPECT|STALE|RESTARTING --liveness lost--> DEAD
     DEAD --restart begun--> RESTARTING --started--> STALE --weights current--> HEALTHY
-    HEALTHY --version mismatch--> STALE           DEAD --budget spent--> RETIRED (terminal)
+    HEALTHY --version mismatch--> STALE           DEAD --budget spent--> RETIRED
+    RETIRED --retry (the manager, once restart.retire_cooldown_s is over)--> RESTARTING (a new incarnation)
 
 Every signal carries the engine incarnation it was observed on: a late probe result from a previous
 incarnation can never revive a dead engine or condemn its replacement.
@@ -41,6 +42,7 @@ class Signal(str, enum.Enum):
     WEIGHTS_CURRENT = "weights_current"
     VERSION_MISMATCH = "version_mismatch"
     RETIRE = "retire"
+    RETRY = "retry"  # a retired slot's cool-down is over: try it again (applied by the manager, never observed)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,11 @@ class EngineHealth:
         s = self.state
         new: Optional[State] = None
         if s is State.RETIRED:
-            return None
+            if signal is not Signal.RETRY:
+                return None  # nothing observed revives a retired slot; only the manager's retry does
+            self.incarnation += 1
+            self.failures = 0
+            new = State.RESTARTING
         if signal in (Signal.LIVENESS_LOST, Signal.KILLED):
             if s is not State.DEAD:
                 new = State.DEAD

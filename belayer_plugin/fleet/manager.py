@@ -641,15 +641,19 @@ class FleetManager:
                 decision = self.policy.decide(s.slot_id, now)
                 if decision.action == "retire":
                     await self._apply(s, Signal.RETIRE, decision.reason)
+                    node = s.info.node_id if s.info is not None else ""
                     s.actor, s.info = None, None
-                    try:
+                    try:  # a slot cooling down is not usable until it is back
                         self.policy.check_floor(h.health for h in self.slots.values())
                     except FleetBelowFloorError as e:
                         self.fatal = e
                         self.events.emit("fleet", "fleet", "below_floor", str(e), level="error",
                                          usable=e.usable, floor=e.floor)
                         await self._notify()
-                    return
+                        return
+                    if not await self._retire_cooldown(s, node):
+                        return
+                    continue  # RESTARTING -> STALE/HEALTHY, or DEAD again (then the policy decides afresh)
                 backed_off = False
                 if decision.restarts_in_window > 0 and decision.delay_s > 0:
                     # Died again within the window (a crash loop?): back off before spending another engine,
@@ -681,6 +685,38 @@ class FleetManager:
             log.exception("recovery of %s failed", s.slot_id)
             self.events.emit("fleet", s.slot_id, "recovery_error", f"{type(e).__name__}: {e}", level="error")
             await self._notify()  # requests waiting for this slot to come back stop waiting for it
+
+    async def _retire_cooldown(self, s: Slot, node: str) -> bool:
+        """RETIRED: waits restart.retire_cooldown_s (and, when the slot's node is excluded, for the exclusion to
+        lift), then tries the slot again with a renewed budget. False when it stays retired (cool-down 0, or the
+        fleet is closing)."""
+        cooldown = self.cfg.restart.retire_cooldown_s
+        if cooldown <= 0:
+            return False
+        self.events.emit("restart", s.slot_id, "retire_cooldown", f"tried again in {cooldown:g} s "
+                         f"(restart.retire_cooldown_s) with a renewed budget", level="warning", cooldown_s=cooldown)
+        t0 = time.monotonic()
+        await asyncio.sleep(cooldown)
+        if node and node in self.excluded_nodes:  # retired on node evidence: back only once the node is
+            self.events.emit("restart", s.slot_id, "retire_cooldown_waits_for_node",
+                             f"node {node[:12]} is excluded: {self.exclusions().get(node, '')}"[:300], node=node)
+            while node in self.excluded_nodes and not self._closing:
+                # Exclusions lift by decay (checked when read) or by hand (readmit_node): no event to await.
+                await asyncio.sleep(1.0)
+        if self._closing or s.health.state is not State.RETIRED:
+            return False
+        self.policy.renew(s.slot_id)
+        await self._apply(s, Signal.RETRY, f"retire cool-down of {cooldown:g} s over")
+        self.events.emit("restart", s.slot_id, "retire_cooldown_over", "tried again with a renewed budget",
+                         incarnation=s.health.incarnation, waited_s=round(time.monotonic() - t0, 3))
+        self.policy.record_restart(s.slot_id, time.monotonic(), (s.slot_id, s.health.incarnation))
+        t1 = time.monotonic()
+        await self._bring_up(s)
+        if s.health.state in (State.STALE, State.HEALTHY):
+            self.events.emit("restart", s.slot_id, "restarted", "after the retire cool-down",
+                             incarnation=s.health.incarnation, took_s=round(time.monotonic() - t1, 3),
+                             state=s.health.state.value)
+        return True
 
     async def _handover(self, s: Slot, sh: Shadow, kind: str = "handover") -> bool:
         """A standby takes the dead engine's slot (or, kind="promoted", a new slot of a planned scale-out):

@@ -59,6 +59,10 @@ class RestartPolicy:
         """Spends one restart of the engine's budget; `cause` names the death it answers (for refunds)."""
         self._restarts[engine].append((now, cause))
 
+    def renew(self, engine: str) -> None:
+        """Forgets the engine's spent restarts: a retired slot tried again after its cool-down starts afresh."""
+        self._restarts.pop(engine, None)
+
     def refund(self, engine: str, cause: object) -> bool:
         """Gives back the restart spent on `cause` (a death a poison request caused); True if there was one."""
         for i, (_, tag) in enumerate(self._restarts[engine]):
@@ -70,7 +74,8 @@ class RestartPolicy:
     def check_floor(self, engines: Iterable[EngineHealth]) -> None:
         """Raises FleetBelowFloorError when fewer engines than the floor can still serve.
 
-        Engines being restarted count as usable (they come back); only retired ones are gone for good.
+        Engines being restarted count as usable (they come back); retired ones do not, even while their
+        restart.retire_cooldown_s runs: a slot cooling down is not usable until it is back.
         """
         engines = list(engines)
         usable = sum(1 for h in engines if h.state is not State.RETIRED)
