@@ -135,6 +135,8 @@ class ReferenceLoop:
         self.learner_pid: Optional[int] = None
         self.learner_info: dict = {}  # what the newest learner reported on start (its step, what it resumed)
         self.fleet_at_end: dict = {}  # the fleet when the run ended (_settle_fleet)
+        self.engine_evidence: dict = {}  # each live engine's own account at the end (_engine_evidence)
+        self.sandbox_evidence: dict = {}  # the checkpoint mode asked for and the runtime's CRIU probe
         self.chaos: Any = None
         self.gen: Any = None  # the generation client (closed at clean-up)
         self.steps: list[dict] = []
@@ -262,6 +264,12 @@ class ReferenceLoop:
             self.chaos.start()
         store = CheckpointStore(cfg.sandbox.checkpoint_dir or self.run_dir / "sandbox-checkpoints",
                                 keep=cfg.sandbox.keep_checkpoints)
+        try:  # the runtime's own answer on CRIU, for the chaos checks (auto must not fall back where it works)
+            criu_problem = backend.criu_problem() if cfg.sandbox.checkpoint_mode == "auto" else None
+        except Exception as e:
+            criu_problem = f"probe failed: {type(e).__name__}: {e}"
+        self.sandbox_evidence = {"checkpoint_mode": cfg.sandbox.checkpoint_mode, "criu_problem": criu_problem,
+                                 "backend": cfg.sandbox.backend}
         spec = SandboxSpec(image=image, cpus=cfg.sandbox.cpus, memory_mb=cfg.sandbox.memory_mb,
                            pids_limit=cfg.sandbox.pids_limit, network=cfg.sandbox.network)
 
@@ -412,6 +420,30 @@ class ReferenceLoop:
             self._say(f"[belayer] fleet at the end: {len(serving)} of {len(states)} engines serving"
                       + (f" (waited {self.fleet_at_end['waited_s']:.1f} s for {', '.join(waited_for)})"
                          if waited_for else "") + ("" if full else " -- BELOW FULL STRENGTH"))
+        self.engine_evidence = await self._engine_evidence()
+
+    async def _engine_evidence(self) -> dict:
+        """Each live engine server's own account of the run (its /get_server_info): its counters and, on the CPU
+        engine, its ledger of the requests it served (prompt and generated tokens per request id). The chaos
+        checks read it as evidence that Belayer's own events did not write (belayer_plugin/chaos/check.py)."""
+        import httpx
+
+        from belayer_plugin.generation.sglang_http import get_json
+
+        out: dict = {}
+        async with httpx.AsyncClient() as client:
+            for sid, s in list(self.fleet.slots.items()):
+                url = s.info.url if s.info is not None else None
+                if not url:
+                    continue
+                try:
+                    info = await get_json(client, url, "/get_server_info", 5.0)
+                except Exception as e:
+                    out[sid] = {"url": url, "error": f"{type(e).__name__}: {e}"[:300]}
+                    continue
+                out[sid] = {"url": url, "counters": info.get("belayer_counters"),
+                            "requests": info.get("belayer_requests")}
+        return out
 
     async def _cleanup(self) -> None:
         import ray

@@ -42,6 +42,10 @@ def build(loop: Any, status: str, error: Any, duration_s: float) -> dict:
         "final_states": loop.fleet.states() if loop.fleet is not None else {},
         # Whether the run ended at full strength, after waiting for recoveries under way (loop._settle_fleet)
         "fleet_at_end": getattr(loop, "fleet_at_end", {}),
+        # Evidence for the chaos checks that Belayer's events did not write: each live engine's own counters
+        # and request ledger at the end, and the runtime's CRIU probe under the checkpoint mode asked for.
+        "engine_evidence": getattr(loop, "engine_evidence", {}),
+        "sandbox_evidence": getattr(loop, "sandbox_evidence", {}),
         # Every fleet verdict with its evidence (fleet/nodes.py) and every quarantined request.
         "node_exclusions": [{"node": e.subject, "kind": e.kind, "reason": e.reason} for e in evs
                             if e.kind in ("node_excluded", "node_exclusion_refused", "node_readmitted")],

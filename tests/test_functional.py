@@ -79,8 +79,10 @@ def test_check_names_a_sandbox_kill_that_was_rebuilt_instead_of_restored(tmp_pat
     rebuilt = [inj, _ev(2.0, "sandbox", "rollback", from_base_image=True, checkpoint=None)]
     bad = check(rep, "survival", golden=rep, events=rebuilt)
     assert len(bad) == 1 and "rebuilt from the base image" in bad[0], bad
-    restored = [inj, _ev(1.5, "sandbox", "restore", checkpoint="b000002-x", mode="full"),
-                _ev(2.0, "sandbox", "rollback", from_base_image=False, checkpoint="b000002-x")]
+    restored = [inj, _ev(1.5, "sandbox", "restore", checkpoint="b000002-x", mode="full", boundary=2,
+                         runtime_restored_id="c0ffee"),
+                _ev(2.0, "sandbox", "rollback", from_base_image=False, checkpoint="b000002-x", boundary=2,
+                    restored_boundary=2)]
     assert check(rep, "survival", golden=rep, events=restored) == []
 
 
@@ -91,7 +93,9 @@ def test_check_names_a_token_kill_that_landed_after_the_request_finished(tmp_pat
     inj = _ev(1.0, "chaos", "inject", subject="engine-0 server", delivered=True, target="engine-0")
     bad = check(rep, "survival", golden=rep, events=[inj])
     assert len(bad) == 1 and "tested nothing" in bad[0], bad
-    ok = [inj, _ev(1.2, "recovery", "resumed", subject="s1-p0-g0-t1", committed=7)]
+    ok = [inj, _ev(1.2, "recovery", "resumed", subject="s1-p0-g0-t1", committed=7, failed_engine="engine-0",
+                   prompt_tokens=30)]
+    rep["engine_evidence"] = {"engine-1": {"requests": {"s1-p0-g0-t1.r1": {"prompt_tokens": 37}}}}
     assert check(rep, "survival", golden=rep, events=ok) == []
 
 

@@ -44,20 +44,54 @@ def _fig(e: Ev, key: str, default=None):
 # way before it shuts the fleet down, so a check sees the recovery's events wherever the fault landed; a run
 # that ended below full strength says so in its report (`fleet_at_end`) and its replacement checks fail.
 
-def _resumed_midway(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+def _served(rep: dict, rid: str, prompt_tokens: int, committed: int) -> list[str]:
+    """The live engines at the end (the killed server's ledger died with it; its slot's entry is its
+    replacement's) whose own ledger shows a continuation of `rid` (`rid.rN`) whose prompt held the request's
+    prompt plus exactly its `committed` tokens: the engine, not Belayer, says those tokens were not regenerated."""
+    out = []
+    for eid, ev in (rep.get("engine_evidence") or {}).items():
+        for r, led in (ev.get("requests") or {}).items():
+            if r.startswith(f"{rid}.r") and led.get("prompt_tokens") == prompt_tokens + committed:
+                out.append(eid)
+    return out
+
+
+def _resumed_midway(evs: list[Ev], inj: Ev, run_dir: Path, rep: Optional[dict] = None) -> Optional[str]:
     """Precondition: the kill lands while a request generates, after its first token and before its last
-    (token trigger 1..tokens_per_turn-1). Accepts: a request resumed from a committed position > 0."""
+    (token trigger 1..tokens_per_turn-1). Accepts: a request that was on the victim resumed from a committed
+    position > 0 and, on CPU engines, the serving engine's own ledger (the report's `engine_evidence`, read
+    from its /get_server_info) shows the continuation arrived with the prompt plus those committed tokens."""
+    rep = rep or {}
+    tgt = _fig(inj, "target")
     res = _find(evs, "recovery", "resumed", inj["t"])
-    if any((_fig(e, "committed") or 0) > 0 for e in res):
-        return None
-    if res:
-        return (f"requests were resumed only from token 0 ({len(res)} resume(s)): the kill landed before any "
-                "token was committed, so token-level resume was not exercised")
-    return ("no request was resumed after the fault: the kill landed where it tested nothing (e.g. after the "
-            "engine had already produced the request's last token)")
+    on_victim = [e for e in res if _fig(e, "failed_engine") == tgt]
+    mid = [e for e in on_victim if (_fig(e, "committed") or 0) > 0]
+    if not mid:
+        if on_victim:
+            return (f"requests on {tgt} were resumed only from token 0 ({len(on_victim)} resume(s)): the kill landed "
+                    "before any token was committed, so token-level resume was not exercised")
+        if res:
+            return (f"{len(res)} request(s) were resumed after the fault, but none had failed on the victim {tgt} "
+                    "(failed_engine): the resume is not the kill's recovery")
+        return ("no request was resumed after the fault: the kill landed where it tested nothing (e.g. after the "
+                "engine had already produced the request's last token)")
+    if (rep.get("config") or {}).get("engine_kind", "cpu") != "cpu":
+        return None  # SGLang keeps no per-request ledger: the golden comparison judges the ids
+    ev = rep.get("engine_evidence")
+    if not ev:
+        return ("no engine-side evidence in the report (engine_evidence): nothing but Belayer's own events says "
+                "the resumed request kept its committed tokens")
+    for e in mid:
+        p0 = _fig(e, "prompt_tokens")
+        if p0 is not None and _served(rep, e["subject"], p0, _fig(e, "committed")):
+            return None
+    e = mid[0]
+    return (f"no engine's own ledger shows {e['subject']} continued from {_fig(e, 'committed')} committed "
+            f"token(s) (a prompt of {_fig(e, 'prompt_tokens')} + {_fig(e, 'committed')} tokens under "
+            f"{e['subject']}.rN): the resume saved no tokens the engines can confirm")
 
 
-def _handover(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+def _handover(evs: list[Ev], inj: Ev, run_dir: Path, rep: Optional[dict] = None) -> Optional[str]:
     """Precondition: a ready standby when the engine dies (shadow.num_standby >= 1, not spent). Accepts: a
     handover of the victim's slot after the fault."""
     tgt = _fig(inj, "target")
@@ -68,7 +102,7 @@ def _handover(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
             (" (it was cold-restarted instead)" if other else ""))
 
 
-def _engine_replaced(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+def _engine_replaced(evs: list[Ev], inj: Ev, run_dir: Path, rep: Optional[dict] = None) -> Optional[str]:
     """Precondition: none on the position: a kill at any step, the last refit included, is answered. A fault
     in the last phase of the run is not left behind: the loop waits for the recovery under way (bounded by
     loop.end_recovery_timeout_s) before it shuts the fleet down, and the report's `fleet_at_end` says when the
@@ -85,7 +119,7 @@ def _engine_replaced(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
     return f"{tgt} got no new engine (neither a handover nor a restart) after the fault"
 
 
-def _engine_detected(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+def _engine_detected(evs: list[Ev], inj: Ev, run_dir: Path, rep: Optional[dict] = None) -> Optional[str]:
     """Precondition: none on the position (a death the monitor has not seen by the end of the run is found by
     the loop's liveness check before shutdown). Accepts: the monitor declared the victim dead after the fault."""
     tgt = _fig(inj, "target")
@@ -94,7 +128,7 @@ def _engine_detected(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
     return f"the monitor never declared {tgt} dead after the fault"
 
 
-def _standby_replaced(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+def _standby_replaced(evs: list[Ev], inj: Ev, run_dir: Path, rep: Optional[dict] = None) -> Optional[str]:
     """Precondition: a ready standby to kill. The loop waits for replacements still starting before shutdown
     when this is expected, so a kill at the last step is covered. Accepts: the standby noticed lost, then
     another one ready."""
@@ -107,7 +141,7 @@ def _standby_replaced(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
     return None
 
 
-def _refit_before_serving(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+def _refit_before_serving(evs: list[Ev], inj: Ev, run_dir: Path, rep: Optional[dict] = None) -> Optional[str]:
     """Precondition: a refit follows the kill (a step trigger's kill at paused or refit comes before its step's
     refit: every step qualifies, the last included, since the replacement that comes after the last refit is
     waited for). Accepts: the replacement registered with the fleet's current version and served the first
@@ -139,10 +173,13 @@ def _rollback_from_checkpoint(evs: list[Ev], inj: Ev) -> tuple[Optional[Ev], lis
     return (good[0] if good else None), rbs
 
 
-def _restored_from_checkpoint(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+def _restored_from_checkpoint(evs: list[Ev], inj: Ev, run_dir: Path, rep: Optional[dict] = None) -> Optional[str]:
     """Precondition: a sandbox checkpoint at or before the kill's boundary (action trigger at >=
     sandbox.policy.every_n_actions; boundary 0 is the base image, never checkpointed). Accepts: a rollback of
-    the victim from a checkpoint whose restore was recorded."""
+    the victim from a checkpoint whose restore was recorded, at a boundary > 0; under checkpoint_mode auto
+    where the runtime's own CRIU probe found CRIU working (the report's `sandbox_evidence`), only a CRIU
+    restore that the runtime itself reported (the container id its `container restore` printed)."""
+    rep = rep or {}
     tgt = _fig(inj, "target")
     rb, rbs = _rollback_from_checkpoint(evs, inj)
     if rb is None:
@@ -150,25 +187,41 @@ def _restored_from_checkpoint(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional
             return (f"sandbox {tgt} was rebuilt from the base image, not restored from a checkpoint (none existed "
                     "or none could be restored): the kill landed where it tested nothing")
         return f"sandbox {tgt} was never recovered after the kill"
-    if not _find(evs, "sandbox", "restore", inj["t"], lambda e: _fig(e, "checkpoint") == _fig(rb, "checkpoint")):
+    res = _find(evs, "sandbox", "restore", inj["t"], lambda e: _fig(e, "checkpoint") == _fig(rb, "checkpoint"))
+    if not res:
         return f"rollback of {tgt} names checkpoint {_fig(rb, 'checkpoint')} but no restore of it was recorded"
+    bounds = {"restored boundary": _fig(rb, "restored_boundary"), "rollback boundary": _fig(rb, "boundary"),
+              "restore boundary": _fig(res[-1], "boundary")}
+    bad = {k: v for k, v in bounds.items() if not isinstance(v, int) or v <= 0}
+    if bad:
+        return (f"{tgt} was 'restored' at boundary {bad} (0 or unknown is the base image): nothing a checkpoint "
+                "held was brought back")
+    sb = rep.get("sandbox_evidence") or {}
+    if sb.get("checkpoint_mode") == "auto" and "criu_problem" in sb and sb["criu_problem"] is None:
+        if _fig(res[-1], "mode") != "full" or not _fig(res[-1], "runtime_restored_id"):
+            return (f"checkpoint_mode auto with a working CRIU (the runtime's probe found no problem), yet {tgt}'s "
+                    f"restore was {_fig(res[-1], 'mode')!r} with no runtime restore output: a silent "
+                    "file-system-only fallback, its processes restarted fresh")
     return None
 
 
-def _criu_restore(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
-    """Precondition: as restored_from_checkpoint, and a working CRIU. Accepts: that restore in mode full."""
+def _criu_restore(evs: list[Ev], inj: Ev, run_dir: Path, rep: Optional[dict] = None) -> Optional[str]:
+    """Precondition: as restored_from_checkpoint, and a working CRIU. Accepts: that restore in mode full,
+    with the container id the runtime's own `container restore` printed."""
     rb, _ = _rollback_from_checkpoint(evs, inj)
     if rb is None:
         return "no restore from a checkpoint, so no CRIU restore"
     res = _find(evs, "sandbox", "restore", inj["t"], lambda e: _fig(e, "checkpoint") == _fig(rb, "checkpoint"))
     if res and _fig(res[-1], "mode") == "full":
+        if not _fig(res[-1], "runtime_restored_id"):
+            return "the restore says mode full but the runtime reported no restored container (runtime_restored_id)"
         return None
     why = [e["reason"] for e in _find(evs, "sandbox", "checkpoint_mode")][:1]
     return ("the restore was file-system only, not CRIU (processes restarted fresh)" +
             (f": {why[0]}" if why else "") + " -- this scenario needs a working CRIU >= 4.2")
 
 
-def _restore_retried(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+def _restore_retried(evs: list[Ev], inj: Ev, run_dir: Path, rep: Optional[dict] = None) -> Optional[str]:
     """Precondition: as restored_from_checkpoint (a restore must run for the second kill to hit it). Accepts:
     the killed restore retried, then the victim restored from a checkpoint."""
     tgt = _fig(inj, "target")
@@ -185,7 +238,7 @@ def _restore_retried(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
     return None
 
 
-def _checkpoint_discarded(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+def _checkpoint_discarded(evs: list[Ev], inj: Ev, run_dir: Path, rep: Optional[dict] = None) -> Optional[str]:
     """Precondition: the run makes at least `at` checkpoint calls (positions.py counts those certain).
     Accepts: the checkpoint the kill hit failed, was never published, left no staging directory, and its
     trajectory was recovered."""
@@ -206,7 +259,7 @@ def _checkpoint_discarded(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str
     return None
 
 
-def _learner_restarted(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
+def _learner_restarted(evs: list[Ev], inj: Ev, run_dir: Path, rep: Optional[dict] = None) -> Optional[str]:
     """Precondition: the learner is killed before step N's update (step trigger, victim_state paused), when
     the checkpoints of steps 1..N-1 are complete and none of step N exists. So the new learner must resume
     from the checkpoint of step N-1, or, killed before its first checkpoint (N = 1), start from the initial
@@ -238,7 +291,7 @@ def _learner_restarted(evs: list[Ev], inj: Ev, run_dir: Path) -> Optional[str]:
     return None
 
 
-RECOVERIES: dict[str, Callable[[list[Ev], Ev, Path], Optional[str]]] = {
+RECOVERIES: dict[str, Callable[..., Optional[str]]] = {
     "request_resumed_midway": _resumed_midway,
     "handover": _handover,
     "engine_replaced": _engine_replaced,
@@ -270,7 +323,7 @@ def check_fault(report: dict, events: list[Ev]) -> list[str]:
         if fn is None:
             bad.append(f"unknown expectation {name!r}")
             continue
-        why = fn(events, injected[0], run_dir)
+        why = fn(events, injected[0], run_dir, report)
         if why:
             bad.append(f"{name}: {why}")
     return bad

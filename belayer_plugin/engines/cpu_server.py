@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import gc
 import json
@@ -32,6 +33,7 @@ from belayer_plugin.lean_imports import skip_unused_imports
 log = logging.getLogger("belayer.cpu_engine")
 
 VERSION = "belayer-cpu-engine-0.1"
+SERVED_LEDGER = 4096  # requests the /get_server_info ledger keeps (belayer_requests)
 _POISON_TOKEN_ID = -1  # test-only chaos switch (--chaos-poison-token-id); -1: off
 _PREFILL_MS_PER_1K = 0.0  # test-only chaos switch (--chaos-prefill-ms-per-1k-tokens): a slow prefill; 0: off
 # Test-only chaos switch (--chaos-step-ms-per-request, --chaos-step-free-requests): a saturated engine, whose
@@ -190,6 +192,10 @@ class Engine:
         self.by_rid: dict[str, Request] = {}
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "health_tokens": 0, "aborted": 0,
                          "weight_updates": 0, "steps": 0, "resume_not_released": 0}
+        # The engine's own ledger of what it served, per request id (the newest SERVED_LEDGER): the prompt it
+        # was given and the tokens it generated. A chaos check reads it as evidence Belayer did not write
+        # (a resumed request's continuation arrived with its committed tokens in the prompt; chaos/check.py).
+        self.served: "collections.OrderedDict[str, dict]" = collections.OrderedDict()
         self._wake = asyncio.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="belayer-model")
         self._lock = asyncio.Lock()  # held by the scheduler step and by weight/memory changes
@@ -263,6 +269,16 @@ class Engine:
         if req in self.running:
             self.running.remove(req)
         self.by_rid.pop(req.rid, None)
+        if not req.rid.startswith("health-"):
+            # A request id served again (a chunked continuation) keeps its first prompt; tokens add up.
+            prev = self.served.pop(req.rid, None) or {"prompt_tokens": len(req.prompt_ids), "generated_tokens": 0,
+                                                      "calls": 0}
+            prev["generated_tokens"] += len(req.output_ids)
+            prev["calls"] += 1
+            prev["finish"] = (req.finish_reason or {}).get("type")
+            self.served[req.rid] = prev
+            while len(self.served) > SERVED_LEDGER:
+                self.served.popitem(last=False)
         req.done.set()
 
     async def run(self) -> None:
@@ -641,6 +657,7 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
                                   "num_running": len(eng.running), "num_pending": len(eng.pending),
                                   "running_rids": [r.rid for r in eng.running + eng.pending],
                                   "belayer_counters": dict(eng.counters),
+                                  "belayer_requests": dict(eng.served),
                                   "model_impl": "native" if eng.native else "transformers",
                                   "internal_states": [{"weight_version": eng.weight_version}]})
 

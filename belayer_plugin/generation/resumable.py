@@ -528,8 +528,11 @@ class ResumableGenerator:
                     self.events.emit("recovery", log.rid, "resume_refused", "; ".join(refusals), level="warning",
                                      committed=log.committed, failed_engine=target.engine)
                     log.restart()
+                # prompt_tokens and the next attempt's request id let a chaos check find the continuation in
+                # the serving engine's own ledger (chaos/check.py: its prompt held the committed tokens).
                 self.events.emit("recovery", log.rid, "resumed", f"from token {log.committed}",
-                                 committed=log.committed, failed_engine=target.engine)
+                                 committed=log.committed, failed_engine=target.engine,
+                                 prompt_tokens=len(log.prompt_ids), next_rid=f"{log.rid}.r{len(log.segments)}")
             finally:
                 if bind is not None:
                     self.selector.release(target, log.rid)

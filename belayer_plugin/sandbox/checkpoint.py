@@ -361,7 +361,10 @@ def full_restore(ck: Checkpoint, backend: Backend, store: Optional[CheckpointSto
     sb.processes_fresh = ck.mode != "full"
     _emit(on_event, subject, "restore", "fresh container from checkpoint", checkpoint=ck.id,
           boundary=ck.boundary, mode=ck.mode, duration_s=time.monotonic() - t0, verify_s=t_verify,
-          processes_restored=ck.mode == "full")
+          processes_restored=ck.mode == "full",
+          # The container id the runtime's own restore printed (podman/docker `container restore`): absent
+          # on a file-system-only restore (a fresh container started from the image); chaos/check.py reads it.
+          runtime_restored_id=cid if ck.mode == "full" else None)
     return sb
 
 
