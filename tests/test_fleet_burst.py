@@ -6,6 +6,9 @@ node is excluded on one slot's deaths (prints the figures README quotes)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import httpx
 import pytest
@@ -79,3 +82,39 @@ def test_soak_burst_reports_requests_lost_above_the_floor_and_fails_the_campaign
         assert soak.main(["engines", "--burst", "--no-progress", "--out", str(out)]) == rc
         result = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT engines"))
         assert f"lost_above_floor={n} " in result
+
+
+@pytest.mark.timeout(300)
+async def test_a_slot_cold_restarting_in_a_burst_comes_before_the_standby_rebuild(tmp_path, tiny_model):
+    """Both engines SIGKILLed at once with one standby: one slot takes the standby, the other restarts cold,
+    and the standby that replaces the one taken is built only once that restart has reached STALE."""
+    async with running_fleet(tmp_path, tiny_model, "belayer.shadow.num_standby=1", "belayer.monitor.boot_grace_s=60",
+                             "belayer.shadow.fault_window_s=120") as fm:
+        first = fm.shadows.ready[0].sid
+        t0 = time.time()
+        for sid in ("engine-0", "engine-1"):
+            os.kill(fm.slots[sid].info.pid, signal.SIGKILL)
+        ho = await fm.events.wait_for(ev("handover"), 30, since=t0)
+        cold = "engine-1" if ho.subject == "engine-0" else "engine-0"
+        began = await fm.events.wait_for(lambda e: e.kind == "transition" and e.subject == cold
+                                         and e.to_state == "RESTARTING", 30, since=t0)
+        stale = await fm.events.wait_for(lambda e: e.kind == "transition" and e.subject == cold
+                                         and e.to_state == "STALE", 120, since=began.t)
+        serving = await fm.events.wait_for(ev("registered", cold), 60, since=began.t)
+        ready = await fm.events.wait_for(lambda e: e.kind == "shadow_ready" and e.subject != first, 120, since=t0)
+        build_start = ready.t - ready.figures["took_s"]
+        print(f"COLD RESTART {cold}: time-to-serving {serving.t - t0:.2f} s (restart {stale.t - began.t:.2f} s); "
+              f"standby build started {build_start - t0:.2f} s after the kills, took {ready.figures['took_s']:.2f} s")
+        niced = fm.events.find(lambda e: e.kind == "shadow_build_niced" and e.subject == ready.subject)
+        if build_start < stale.t - 0.05:
+            # Begun before the restart (the other death was seen after the handover ended): then it ran niced
+            # from its server's first second, well before the restart reached STALE.
+            assert niced and niced[0].figures["nice"] > 0 and niced[0].figures["after_s"] < 5.0, \
+                f"the standby build began {stale.t - build_start:.2f} s before {cold}'s restart reached STALE " \
+                f"at normal priority"
+        else:
+            deferred = fm.events.find(lambda e: e.kind == "shadow_build_deferred" and e.t >= t0)
+            assert deferred and cold in deferred[0].figures["slots"]
+        print(f"build {'niced' if niced else 'deferred'}")
+        await fm.wait_all_healthy(60)
+        assert fm.states() == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from belayer_plugin.engines.actor import EngineInfo, remote_engine_actor
+from belayer_plugin.fleet.health import State
 from belayer_plugin.fleet.policy import RestartPolicy
 
 if TYPE_CHECKING:
@@ -80,8 +81,10 @@ class ShadowPool:
         """The Ray nodes the ready standbys run on (for spread placement)."""
         return [sh.info.node_id for sh in self.ready] + list(self._starting.values())
 
-    async def _add(self) -> Optional[Shadow]:
-        """Starts one standby, brings it to the current version, parks it (memory released if configured)."""
+    async def _add(self, rebuild: bool = False) -> Optional[Shadow]:
+        """Starts one standby, brings it to the current version, parks it (memory released if configured).
+        A rebuild (a replacement, not the fleet's start) starts niced (shadow.standby_nice) from its first
+        moment: a slot that begins a cold restart while it builds comes first (restart before rebuild)."""
         fm = self.fleet
         sid = f"shadow-{self._count}"
         self._count += 1
@@ -96,8 +99,12 @@ class ShadowPool:
         base_is_current = fm.weights.path is None and not fm.weights.external
         actor = cls.remote(sid, fm.cfg.engines, fm.engine_model_path, str(fm.run_dir / "engines"),
                            fm.weights.version if base_is_current else "default")
+        niced: Optional[asyncio.Task] = None
         try:
-            info = await actor.start.remote()
+            starting = asyncio.ensure_future(actor.start.remote())
+            if rebuild and self.cfg.standby_nice:
+                niced = asyncio.create_task(self._nice_while_starting(sid, actor, starting), name=f"nice-{sid}")
+            info = await starting
             if info.node_id in fm.excluded_nodes:
                 raise RuntimeError(f"placed on excluded node {info.node_id}")
             version = info.weight_version
@@ -112,6 +119,8 @@ class ShadowPool:
             # engines. 0 where the priority could not be restored at handover (the actor checks).
             nice = await actor.set_background.remote(self.cfg.standby_nice) if self.cfg.standby_nice else 0
         except BaseException as e:
+            if niced is not None:
+                niced.cancel()
             self._starting.pop(sid, None)
             self._kill(actor)
             if not isinstance(e, Exception):
@@ -325,13 +334,55 @@ class ShadowPool:
                 await asyncio.sleep(d.delay_s)  # the backoff itself (only after failures)
                 if len(self.ready) + self._adding >= self.target:
                     return
+            await self._yield_to_restarts()
+            if self._closing or len(self.ready) + self._adding >= self.target:
+                return
             self._adding += 1
             try:
-                sh = await self._add()
+                sh = await self._add(rebuild=True)
             finally:
                 self._adding -= 1
             if sh is None:
                 self.policy.record_restart(_POOL, time.monotonic())  # a start that failed spends budget
+
+    async def _nice_while_starting(self, sid: str, actor: Any, starting: asyncio.Future) -> None:
+        """Moves a rebuilding standby's server to the background as soon as its process exists (the actor's
+        set_background answers while its start is under way), so that its start yields the CPU to a slot's
+        restart and to serving engines."""
+        t0 = time.monotonic()
+        while not starting.done():
+            try:
+                nice = await actor.set_background.remote(self.cfg.standby_nice)
+            except Exception:  # noqa: BLE001  (the start reports the actor's death)
+                return
+            if nice:
+                self.fleet.events.emit("shadow", sid, "shadow_build_niced", "built in the background", nice=nice,
+                                       after_s=round(time.monotonic() - t0, 3))
+                return
+            if starting.done():
+                return
+            await asyncio.sleep(0.1)  # its server process is not spawned yet (or cannot come back: then 0)
+
+    async def _yield_to_restarts(self) -> None:
+        """Restart before rebuild: a slot's cold restart and a standby's build compete for the same CPU, GPU and
+        memory, and only the slot serves requests. A rebuild waits while any slot is RESTARTING (at most
+        engines.startup_timeout_s, the bound of a start) and begins once each has reached STALE (or died)."""
+        fm = self.fleet
+
+        def restarting() -> list[str]:
+            return sorted(s.slot_id for s in fm.slots.values() if s.health.state is State.RESTARTING)
+
+        slots = restarting()
+        if not slots:
+            return
+        t0 = time.monotonic()
+        fm.events.emit("shadow", _POOL, "shadow_build_deferred", f"slot(s) restarting first: {', '.join(slots)}",
+                       slots=slots)
+        deadline = t0 + fm.cfg.engines.startup_timeout_s
+        while restarting() and not self._closing and time.monotonic() < deadline:
+            await fm.wait_changed(max(0.01, min(1.0, deadline - time.monotonic())))  # any transition wakes it
+        fm.events.emit("shadow", _POOL, "shadow_build_resumed", f"restarting now: {restarting() or 'none'}",
+                       waited_s=round(time.monotonic() - t0, 3))
 
     async def refit(self, weights: Any) -> None:
         """keep_warm=refit: every standby loads the new version now (a failing one is replaced)."""
