@@ -68,6 +68,9 @@ async def test_a_stopped_sglang_standby_is_refit_while_parked_and_takes_over_a_k
         async with httpx.AsyncClient() as c:
             assert (await c.get(f"{sh.info.url}/health", timeout=10)).status_code == 200
 
+        # The base model's ids, before any refit: v1 must compute other ones (a refit is judged by weights,
+        # not by its label).
+        base0 = (await _ids(fm.slots["engine-0"].info.url, PROMPT, GREEDY))["output_ids"]
         # A refit wakes it to load v1 through SGLang's own update, off the trainer's barrier, then stops it.
         t0 = time.time()
         assert await fm.refit(v1, "v1") == {"engine-0": "v1"}
@@ -78,6 +81,7 @@ async def test_a_stopped_sglang_standby_is_refit_while_parked_and_takes_over_a_k
         golden = (await _ids(fm.slots["engine-0"].info.url, PROMPT, GREEDY))["output_ids"]
         # Not just the label: the standby computes with v1's weights (the same ids as the serving engine).
         assert base["output_ids"] == golden and base["meta_info"]["weight_version"] == "v1"
+        assert golden != base0, "v1's weights compute the base model's ids: the refit proved nothing"
 
         def kill(clog, seg):  # at token KILL_AT, as the generator commits it
             if not killed and clog.committed >= KILL_AT:

@@ -13,6 +13,7 @@ import psutil
 
 from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
 from belayer_plugin.generation.sglang_http import generate, get_json
+from tests.distinct_weights import greedy_ids, perturbed_copy
 from tests.test_fleet_recovery import running_fleet
 
 PROMPTS = [[54, 280, 487, 423, 442], [60, 61, 62], [100, 200, 300, 400]]
@@ -73,8 +74,12 @@ async def test_shadow_takes_over_within_a_second_under_load_and_is_replaced(tmp_
 
 
 async def test_stale_shadow_is_brought_to_the_current_version_before_it_is_registered(tmp_path, tiny_model):
+    v1 = perturbed_copy(tiny_model, tmp_path / "weights-v1", seed=1)
     async with fleet(tmp_path, tiny_model, "belayer.shadow.keep_warm=on_handover") as fm:
-        await fm.refit(tiny_model, "v1")
+        base_ids = await greedy_ids(fm.slots["engine-0"].info.url)
+        await fm.refit(v1, "v1")
+        v1_ids = await greedy_ids(fm.slots["engine-0"].info.url)
+        assert v1_ids != base_ids, "v1's weights must compute other greedy ids than the base model's"
         sh = fm.shadows.ready[0]
         async with fm.shadows.awake(sh):  # parked, its actor is stopped (shadow.freeze_parked)
             assert await sh.actor.weight_version.remote() == "default"  # on_handover: left behind at refit
@@ -83,13 +88,17 @@ async def test_stale_shadow_is_brought_to_the_current_version_before_it_is_regis
         reg = await fm.events.wait_for(ev("registered", "engine-1"), 20, since=t0)
         assert reg.figures["version"] == "v1"
         assert await sh.actor.weight_version.remote() == "v1"
+        # Not just the label: the standby that took the slot computes with v1's weights, not the base model's.
+        assert await greedy_ids(fm.slots["engine-1"].info.url) == v1_ids
         episode = [e for e in fm.events.events if e.t >= t0 and e.subject == "engine-1"]
         kinds = [e.to_state or e.kind for e in episode]
         assert kinds.index("HEALTHY") < kinds.index("registered")
 
 
 async def test_keep_warm_refit_updates_standbys_off_the_refit_barrier_and_a_handover_waits_for_it(tmp_path, tiny_model):
+    w = {v: perturbed_copy(tiny_model, tmp_path / f"weights-{v}", seed=int(v[1:])) for v in ("v6", "v7", "v8", "v9")}
     async with fleet(tmp_path, tiny_model, "belayer.shadow.keep_warm=refit") as fm:
+        ids = {"base": await greedy_ids(fm.slots["engine-0"].info.url)}
         # A standby that cannot answer (SIGSTOPped) does not hold the trainer's refit: it returns once the
         # serving engines hold v7, and the standby catches up when it runs again.
         sh = fm.shadows.ready[0]
@@ -103,19 +112,23 @@ async def test_keep_warm_refit_updates_standbys_off_the_refit_barrier_and_a_hand
         # version once serving resumes, beside neither the serving engines' refit nor their resume.
         await fm.pause(release_memory=True)
         before = sh.refit_task
-        assert set((await fm.refit(tiny_model, "v6")).values()) == {"v6"}
+        assert set((await fm.refit(w["v6"], "v6")).values()) == {"v6"}
         assert sh.refit_task is before and sh.version != "v6"
         t0 = time.time()
         await fm.resume()
         assert sh.refit_task is not before
         done = await fm.events.wait_for(lambda e: e.kind == "shadow_refit", 30, since=t0)
         assert done.figures["version"] == "v6" and sh.version == "v6"
+        ids["v6"] = await greedy_ids(fm.slots["engine-0"].info.url)
+        assert ids["v6"] != ids["base"], "v6's weights must compute other greedy ids than the base model's"
         os.kill(sh.info.pid, signal.SIGSTOP)
         try:
             t0 = time.time()
-            served = await asyncio.wait_for(fm.refit(tiny_model, "v7"), 20)
+            served = await asyncio.wait_for(fm.refit(w["v7"], "v7"), 20)
             assert set(served.values()) == {"v7"}
             assert not fm.events.find(lambda e: e.t >= t0 and e.kind == "shadow_refit")
+            ids["v7"] = await greedy_ids(fm.slots["engine-0"].info.url)
+            assert ids["v7"] != ids["v6"], "v7's weights must compute other greedy ids than v6's"
         finally:
             os.kill(sh.info.pid, signal.SIGCONT)
         done = await fm.events.wait_for(lambda e: e.kind == "shadow_refit", 30, since=t0)
@@ -125,12 +138,17 @@ async def test_keep_warm_refit_updates_standbys_off_the_refit_barrier_and_a_hand
         # Two refits back to back, then at once a death: the standby takes the slot at the newest version,
         # its own refits having finished in order (never two updates of it at once).
         t1 = time.time()
-        await fm.refit(tiny_model, "v8")
-        await fm.refit(tiny_model, "v9")
+        await fm.refit(w["v8"], "v8")
+        ids["v8"] = await greedy_ids(fm.slots["engine-1"].info.url)
+        await fm.refit(w["v9"], "v9")
+        ids["v9"] = await greedy_ids(fm.slots["engine-1"].info.url)
+        assert ids["v8"] != ids["v7"] and ids["v9"] != ids["v8"], "each version's weights must differ from the last"
         os.kill(fm.slots["engine-0"].info.pid, signal.SIGKILL)
         reg = await fm.events.wait_for(ev("registered", "engine-0"), 30, since=t1)
         assert reg.figures["version"] == "v9" and fm.slots["engine-0"].info.url == sh.info.url
         assert await sh.actor.weight_version.remote() == "v9"
+        # Its last refit loaded v9's weights, not only the label: it computes v9's ids.
+        assert await greedy_ids(sh.info.url) == ids["v9"]
         # Its refits ran in the background (threads they started inherit the nice); serving, it is back to normal.
         assert sh.nice == 0 and server_nices(sh.info.pid) == {base} and server_nices(sh.info.actor_pid) == {base}
         assert fm.events.find(lambda e: e.t >= t1 and e.kind == "handover" and e.subject == "engine-0")
@@ -197,10 +215,14 @@ async def test_a_parked_standbys_actor_is_stopped_between_refits_and_runs_for_go
         assert cpu_ticks(sh.info.actor_pid) == ticks
         # Its refit goes straight to its server: the actor is not woken for it (not one tick of CPU) and the
         # server reports the new version.
+        v2 = perturbed_copy(tiny_model, tmp_path / "weights-v2", seed=2)
+        base_ids = await greedy_ids(fm.slots["engine-0"].info.url)
         t0 = time.time()
-        await fm.refit(tiny_model, "v2")
+        await fm.refit(v2, "v2")
         done = await fm.events.wait_for(lambda e: e.kind == "shadow_refit", 30, since=t0)
         assert done.figures["version"] == "v2" and sh.version == "v2" and done.figures["direct"] is True
+        v2_ids = await greedy_ids(fm.slots["engine-0"].info.url)
+        assert v2_ids != base_ids, "v2's weights must compute other greedy ids than the base model's"
         assert sh.frozen and await stopped_state(sh.info.actor_pid) == "T"
         assert cpu_ticks(sh.info.actor_pid) == ticks
         async with httpx.AsyncClient() as c:
@@ -216,6 +238,7 @@ async def test_a_parked_standbys_actor_is_stopped_between_refits_and_runs_for_go
         async with httpx.AsyncClient() as c:
             out = await generate(c, sh.info.url, {"input_ids": PROMPTS[0], "sampling_params": GREEDY}, 60)
         assert len(out["output_ids"]) == N
+        assert await greedy_ids(sh.info.url) == v2_ids, "the standby took over with other weights than v2's"
 
 
 async def test_standbys_stay_awake_when_freezing_is_off(tmp_path, tiny_model):
@@ -224,11 +247,16 @@ async def test_standbys_stay_awake_when_freezing_is_off(tmp_path, tiny_model):
         assert not sh.frozen and proc_state(sh.info.actor_pid) != "T"
         assert await asyncio.wait_for(sh.actor.ping.remote(), 10) == sh.sid
         # awake, its refits go through its actor
+        v2 = perturbed_copy(tiny_model, tmp_path / "weights-v2", seed=2)
+        base_ids = await greedy_ids(sh.info.url)
         t0 = time.time()
-        await fm.refit(tiny_model, "v2")
+        await fm.refit(v2, "v2")
         done = await fm.events.wait_for(lambda e: e.kind == "shadow_refit", 30, since=t0)
         assert done.figures["version"] == "v2" and done.figures["direct"] is False
         assert await asyncio.wait_for(sh.actor.weight_version.remote(), 10) == "v2"
+        v2_ids = await greedy_ids(fm.slots["engine-0"].info.url)
+        assert v2_ids != base_ids and await greedy_ids(sh.info.url) == v2_ids, \
+            "the awake standby's refit must load v2's weights (other ids than the base model's)"
 
 
 async def test_cpu_engines_map_one_shared_memory_copy_of_the_weights(tmp_path, tiny_model):
