@@ -186,3 +186,16 @@ def test_context_room_follows_verls_server_rules():
     assert client._context_room(90) == 9  # SGLang: max_model_len - len - 1
     client.config.actor_rollout_ref.rollout.max_model_len = None
     assert client._context_room(90) is None
+
+
+def test_num_preempted_is_the_servers_own_count_summed_over_chunks_not_a_made_up_zero():
+    from belayer_plugin.hooks.verl.client import BelayerLLMServerClient
+
+    s = Served(prompt_len=5)
+    chunk = _sglang_shaped(_out([1, 2, 3, 4], "completed"), 4, frozenset({EOS}))
+    BelayerLLMServerClient._record(s, 0, {**_out([1, 2, 3, 4], "completed"), "num_preempted": 2}, chunk)
+    BelayerLLMServerClient._record(s, 4, {**_out([5, 6, 7, 8], "completed"), "num_preempted": 1}, chunk)
+    assert s.num_preempted == 3
+    quiet = Served(prompt_len=5)  # servers that do not report it (verl's -1): the request says "not available"
+    BelayerLLMServerClient._record(quiet, 0, {**_out([1, 2, 3, 4], "completed"), "num_preempted": -1}, chunk)
+    assert quiet.num_preempted is None

@@ -60,6 +60,9 @@ class Served:
     routed_experts: Any = None  # prompt + response rows, as verl's FullyAsyncLLMServerClient keeps them
     aborts: int = 0  # weight-sync aborts waited out (async modes)
     prompt_len: int = 0
+    # the servers' own preemption counts, summed over the chunks; None while no server reported one (verl's
+    # "not available" is -1, which is what the request then reports)
+    num_preempted: Optional[int] = None
 
     def add(self, start: int, n: int, steps: Optional[int]) -> None:
         if n <= 0:
@@ -236,7 +239,8 @@ class BelayerLLMServerClient(LLMServerClient):
                    "weight_sync_aborts": served.aborts}
         return TokenOutput(token_ids=list(log.output_ids), log_probs=list(log.logprobs) if want_lp else None,
                            routed_experts=served.routed_experts,
-                           stop_reason="length" if fr == "length" else "completed", num_preempted=0,
+                           stop_reason="length" if fr == "length" else "completed",
+                           num_preempted=-1 if served.num_preempted is None else served.num_preempted,
                            extra_fields={"global_steps": steps, "min_global_steps": lo, "max_global_steps": hi,
                                          "num_cached_tokens": served.num_cached_tokens, "belayer": summary})
 
@@ -355,6 +359,9 @@ class BelayerLLMServerClient(LLMServerClient):
         ids = chunk["output_ids"]
         extra = (out.get("extra_fields") if isinstance(out, dict) else getattr(out, "extra_fields", None)) or {}
         served.add(start, len(ids), _int_or_none(extra.get("global_steps")))
+        pre = out.get("num_preempted") if isinstance(out, dict) else getattr(out, "num_preempted", None)
+        if isinstance(pre, int) and pre >= 0:  # verl's -1 / None: this server does not say
+            served.num_preempted = (served.num_preempted or 0) + pre
         if not served.cached_seen:
             served.cached_seen = True
             served.num_cached_tokens = extra.get("num_cached_tokens")
