@@ -394,8 +394,9 @@ class ReferenceLoop:
                                if s.actor is not None and s.health.state in (State.HEALTHY, State.SUSPECT)))
 
         def pending() -> dict[str, asyncio.Task]:  # a recovery task runs until its events are written
+            # (a retired slot's task waits out restart.retire_cooldown_s: minutes, not a recovery under way)
             return {sid: s.recovery for sid, s in fleet.slots.items()
-                    if s.recovery is not None and not s.recovery.done()}
+                    if s.recovery is not None and not s.recovery.done() and s.health.state is not State.RETIRED}
 
         waited_for = sorted(pending())
         deadline = t0 + timeout

@@ -14,6 +14,7 @@ Not verified: real SGLang under NeMo-RL, CUDA IPC into a Belayer-launched engine
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -199,7 +200,7 @@ def test_toggle_off_is_nemo_rls_class_unchanged(nrl, tiny_model, ray_cluster):
     from belayer_plugin.hooks.nemo_rl import fault_tolerant
 
     cls = fault_tolerant(sg.SGLangGeneration)
-    for name in ("generate", "generate_async", "generate_one_sample", "_build_sampling_params", "check_weights"):
+    for name in ("generate", "generate_async", "generate_one_sample", "_build_sampling_params"):
         assert getattr(cls, name) is getattr(sg.SGLangGeneration, name), name  # never overridden
 
     class NoPlacement:  # NeMo-RL's __init__ asks the cluster for its placement groups first: stop it there
@@ -215,6 +216,7 @@ def test_toggle_off_is_nemo_rls_class_unchanged(nrl, tiny_model, ray_cluster):
     off._router_actor = off._http_client = off._async_loop = None
     assert off.prepare_for_generation(tags=["weights"]) is None and off.finish_generation() is None
     assert off.get_rollout_engine_urls() == [] and off.invalidate_kv_cache() is True and off.recover_before_refit() == 0
+    assert off.check_weights("snapshot") == []  # NeMo-RL's own (over its engines: none here)
 
 
 # ----------------------------------------------------------------- the fleet under the real class
@@ -232,6 +234,16 @@ def nrl_cluster(nrl, ray_cluster):
 def setup(nrl, nrl_cluster, tiny_model, tmp_path_factory):
     """What GRPO's setup does with the SGLang backend (grpo.py init_sglang and after): construct with keyword
     arguments, finish_generation(), then policy.set_rollout_num_gpus_per_engine(pg.num_gpus_per_engine)."""
+    knobs = {**KNOBS, "run_dir": str(tmp_path_factory.mktemp("nemo-rl-run")),
+             "engines": {**KNOBS["engines"], "cpu_step_delay_ms": 2},
+             "shadow": {**KNOBS["shadow"], "num_standby": 1}}  # a kill is taken over by the standby
+    with generation_and_policy(nrl, nrl_cluster, tiny_model, knobs) as both:
+        yield both
+
+
+@contextlib.contextmanager
+def generation_and_policy(nrl, cluster, tiny_model: str, knobs: dict):
+    """The fault-tolerant SGLangGeneration as GRPO's setup builds it, paused, and the CPU streaming policy."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -239,10 +251,7 @@ def setup(nrl, nrl_cluster, tiny_model, tmp_path_factory):
     from belayer_plugin.hooks.nemo_rl.cpu_policy import CpuStreamingPolicy
 
     _, sg = nrl
-    knobs = {**KNOBS, "run_dir": str(tmp_path_factory.mktemp("nemo-rl-run")),
-             "engines": {**KNOBS["engines"], "cpu_step_delay_ms": 2},
-             "shadow": {**KNOBS["shadow"], "num_standby": 1}}  # a kill is taken over by the standby
-    pg = fault_tolerant(sg.SGLangGeneration)(cluster=nrl_cluster, sglang_cfg=_gen_cfg(tiny_model, True, knobs))
+    pg = fault_tolerant(sg.SGLangGeneration)(cluster=cluster, sglang_cfg=_gen_cfg(tiny_model, True, knobs))
     try:
         pg.finish_generation()
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)

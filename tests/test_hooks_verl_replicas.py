@@ -148,14 +148,19 @@ class Run:
         self.ckpt.update_weights(self.step)
 
     def close(self) -> None:
-        import ray
+        close_run(self)
 
-        for w in self.agents.agent_loop_workers:
-            ray.kill(w, no_restart=True)
-        for r in self.servers.get_replicas():
-            for s in r.servers:
-                ray.kill(s, no_restart=True)
-        ray.kill(self.lb, no_restart=True)
+
+def close_run(run) -> None:
+    """Kills a run's agent loop workers, server actors and balancer."""
+    import ray
+
+    for w in run.agents.agent_loop_workers:
+        ray.kill(w, no_restart=True)
+    for r in run.servers.get_replicas():
+        for s in r.servers:
+            ray.kill(s, no_restart=True)
+    ray.kill(run.lb, no_restart=True)
 
 
 def same_batch(a, b) -> None:

@@ -22,7 +22,16 @@ import time
 import httpx
 import pytest
 
-from tests.test_hooks_nemo_rl import KNOBS, _gen_cfg, _generated, _router_urls, _wait, nrl, nrl_cluster  # noqa: F401
+from tests.test_hooks_nemo_rl import (  # noqa: F401  (nrl, nrl_cluster: fixtures)
+    KNOBS,
+    _gen_cfg,
+    _generated,
+    _router_urls,
+    _wait,
+    generation_and_policy,
+    nrl,
+    nrl_cluster,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,25 +41,11 @@ BUCKET_GB = 0.00002  # ~20 KB buckets: the tiny model's weights take ~20 POSTs p
 
 @pytest.fixture(scope="module")
 def gen(nrl, nrl_cluster, tiny_model, tmp_path_factory):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from belayer_plugin.hooks.nemo_rl import fault_tolerant
-    from belayer_plugin.hooks.nemo_rl.cpu_policy import CpuStreamingPolicy
-
-    _, sg = nrl
     knobs = {**KNOBS, "run_dir": str(tmp_path_factory.mktemp("nemo-rl-refit")),
              "engines": {**KNOBS["engines"], "cpu_step_delay_ms": 2, "refit_request_timeout_s": REFIT_TIMEOUT_S},
              "restart": {**KNOBS["restart"], "max_restarts": 4}}
-    pg = fault_tolerant(sg.SGLangGeneration)(cluster=nrl_cluster, sglang_cfg=_gen_cfg(tiny_model, True, knobs))
-    try:
-        pg.finish_generation()
-        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-        policy = CpuStreamingPolicy(model, world_size=2)
-        policy.set_rollout_num_gpus_per_engine(pg.num_gpus_per_engine)
-        yield pg, policy
-    finally:
-        pg.shutdown()
+    with generation_and_policy(nrl, nrl_cluster, tiny_model, knobs) as both:
+        yield both
 
 
 def _train(policy) -> None:
@@ -59,6 +54,16 @@ def _train(policy) -> None:
     with torch.no_grad():
         for p in policy.model.parameters():
             p.mul_(1.25)  # "training" changed the policy
+
+
+def _trained(nrl, gen):
+    """A generation phase, then the trainer's: paused, and the policy changed."""
+    grpo, _ = nrl
+    pg, policy = gen
+    pg.prepare_for_generation()
+    pg.finish_generation()
+    _train(policy)
+    return grpo, pg, policy, pg.belayer_fleet
 
 
 def _server_info(url: str) -> dict:
@@ -158,12 +163,7 @@ def test_an_engine_sigkilled_during_nemo_rls_weight_stream_misses_the_refit_then
 
 
 def test_an_engine_hung_during_nemo_rls_weight_stream_is_fenced_within_the_refit_timeout(nrl, gen):
-    grpo, _ = nrl
-    pg, policy = gen
-    fm = pg.belayer_fleet
-    pg.prepare_for_generation()
-    pg.finish_generation()
-    _train(policy)
+    grpo, pg, policy, fm = _trained(nrl, gen)
     f = _refit_with_fault(grpo, pg, policy, "engine-0", "sigstop")
     try:
         # bounded: the hung POST waited engines.refit_request_timeout_s, not forever (NeMo-RL's has no timeout)
@@ -204,12 +204,7 @@ def test_an_engine_restarted_while_the_trainer_trains_has_its_memory_released_li
 
 def test_nemo_rls_http_weight_synchronizer_survives_an_engine_killed_during_its_stream(nrl, gen):
     """The single-controller (async GRPO) path refits through NeMo-RL's HTTPWeightSynchronizer: the same calls."""
-    grpo, _ = nrl
-    pg, policy = gen
-    fm = pg.belayer_fleet
-    pg.prepare_for_generation()
-    pg.finish_generation()
-    _train(policy)
+    grpo, pg, policy, fm = _trained(nrl, gen)
     f = _refit_with_fault(grpo, pg, policy, "engine-0", "sigkill", synchronizer=True)
     # the version NeMo-RL's worker streamed (its per-worker counter) is the fleet's now
     assert set(pg.belayer_gateway.missed) == {"engine-0"} and fm.weights.version == str(policy.weight_version)

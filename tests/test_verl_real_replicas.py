@@ -88,14 +88,9 @@ class RealRun:
         return self.agents.generate_sequences(self.batch())
 
     def close(self) -> None:
-        import ray
+        from tests.test_hooks_verl_replicas import close_run
 
-        for w in self.agents.agent_loop_workers:
-            ray.kill(w, no_restart=True)
-        for r in self.servers.get_replicas():
-            for s in r.servers:
-                ray.kill(s, no_restart=True)
-        ray.kill(self.lb, no_restart=True)
+        close_run(self)
         self.workers.close()
 
 

@@ -828,7 +828,9 @@ class FleetManager:
 
     async def recover_dead(self, timeout: float) -> int:
         """Waits for recoveries under way; a no-op (returns 0 at once, changes nothing) when nothing died."""
-        pending = [s.recovery for s in self.slots.values() if s.recovery is not None and not s.recovery.done()]
+        # A retired slot's task waits out restart.retire_cooldown_s (minutes): not a recovery to wait for here.
+        pending = [s.recovery for s in self.slots.values() if s.recovery is not None and not s.recovery.done()
+                   and s.health.state is not State.RETIRED]
         if not pending:
             return 0
         await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout)
