@@ -108,3 +108,17 @@ async def test_start_failure_is_a_typed_error_with_the_log_tail(ray_cluster, tmp
         except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause()
     await f.shutdown()
+
+
+def test_an_engine_names_the_address_ray_registered_its_node_under(ray_cluster):
+    """engines.host "": the node's address in Ray's control store (127.0.0.1 on the loopback test cluster), not
+    whatever interface routes outward (ray.util.get_node_ip_address() answered eth0's address in CI)."""
+    @ray.remote(num_cpus=0)
+    def host() -> tuple[str, str]:
+        from belayer_plugin.engines.launch import engine_host
+
+        return ray.get_runtime_context().get_node_id(), engine_host("")
+
+    node_id, addr = ray.get(host.remote(), timeout=60)
+    registered = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    assert addr == registered[node_id]

@@ -16,6 +16,8 @@ from typing import Optional
 import httpx
 import pytest
 
+from belayer_plugin.engines.launch import engine_host
+
 from belayer_plugin.engines.sglang import (
     STANDINS_DIR,
     launch_sglang_server,
@@ -43,6 +45,7 @@ def belayer_cfg(*overrides: str):
 
 
 CFG = belayer_cfg("belayer.engines.kind=sglang").engines
+HOST = engine_host(CFG.host)  # "" (the default) is the node's address: 127.0.0.1 outside Ray
 
 
 def needs_sglang(fn):
@@ -64,10 +67,10 @@ def sglang_server(tiny_model, tmp_path_factory):
     """One real SGLang server for the module; its whole process group is stopped afterwards."""
     from belayer_plugin.engines.launch import free_port
 
-    port = free_port(CFG.host)
+    port = free_port(HOST)
     log = tmp_path_factory.mktemp("sglang") / "server.log"
-    proc = launch_sglang_server(CFG, tiny_model, CFG.host, port, log, weight_version=START_VERSION)
-    url = f"http://{CFG.host}:{port}"
+    proc = launch_sglang_server(CFG, tiny_model, HOST, port, log, weight_version=START_VERSION)
+    url = f"http://{HOST}:{port}"
     try:
         wait_first_token(url, proc, CFG.startup_timeout_s)
     except BaseException as e:  # also Ctrl-C: never leave a server behind

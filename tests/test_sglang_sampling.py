@@ -40,7 +40,7 @@ from belayer_plugin.events import EventLog
 from belayer_plugin.generation.resumable import RequestFailedError, ResumableGenerator, StaticSelector
 from belayer_plugin.generation.sglang_http import StreamBroken, generate
 from tests.conftest import belayer_cfg
-from tests.test_sglang_engine import CFG, needs_sglang
+from tests.test_sglang_engine import CFG, HOST, needs_sglang
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
@@ -58,9 +58,9 @@ async def sg(tiny_model, tmp_path_factory):
     procs, urls = {}, {}
     try:
         for name in ("victim", "stable"):
-            port = free_port(CFG.host)
-            procs[name] = launch_sglang_server(CFG, tiny_model, CFG.host, port, d / f"{name}.log")
-            urls[name] = f"http://{CFG.host}:{port}"
+            port = free_port(HOST)
+            procs[name] = launch_sglang_server(CFG, tiny_model, HOST, port, d / f"{name}.log")
+            urls[name] = f"http://{HOST}:{port}"
         # 300 s: ~25 s when idle, but two SGLang starts on two loaded cores took > 120 s here.
         await asyncio.gather(*(asyncio.to_thread(wait_first_token, urls[n], procs[n], 300)
                                for n in procs))

@@ -296,6 +296,8 @@ def pause_generation_body(mode: str = "retract") -> dict[str, Any]:
 def launch_sglang_server(cfg: EnginesConfig, model_path: str, host: str, port: int, log_path: Path, *,
                          weight_version: str = "default") -> subprocess.Popen:
     """Starts one server in its own process group (so it and its scheduler children die together)."""
+    if not host:  # "" would make SGLang listen on every interface and the URL name none
+        raise ValueError("launch_sglang_server: no host; resolve engines.host with engines.launch.engine_host")
     argv, extra_env = sglang_server_command(cfg, model_path, host, port, weight_version=weight_version)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as logf:
