@@ -183,10 +183,9 @@ def test_an_engine_hung_during_nemo_rls_weight_stream_is_fenced_within_the_refit
 
 
 def test_an_engine_restarted_while_the_trainer_trains_has_its_memory_released_like_the_others(nrl, gen):
-    grpo, _ = nrl
-    pg, policy = gen
-    fm = pg.belayer_fleet
-    pg.prepare_for_generation()
+    grpo, pg, policy, fm = _trained(nrl, gen)
+    # the trainer's weights are the fleet's (a replacement can only wait for the next refit to get them)
+    grpo.refit_policy_generation(policy, pg, colocated_inference=True, _refit_buffer_size_gb=BUCKET_GB)
     pg.finish_generation()  # the trainer trains: memory released
     victim = fm.slots["engine-1"]
     old = victim.info.url

@@ -73,6 +73,11 @@ class EngineHealth:
         """Whether requests may be routed here."""
         return self.state in (State.HEALTHY, State.SUSPECT)
 
+    @property
+    def running(self) -> bool:
+        """Whether an incarnation is up to take calls: serving, or STALE (up, not yet routed)."""
+        return self.state in (State.HEALTHY, State.SUSPECT, State.STALE)
+
     def apply(self, signal: Signal, now: float, incarnation: Optional[int] = None, reason: str = "") -> Optional[Transition]:
         """Feeds one observation; returns the transition it caused, or None when the state is unchanged."""
         if incarnation is not None and incarnation != self.incarnation:

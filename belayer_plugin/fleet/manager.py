@@ -779,7 +779,7 @@ class FleetManager:
         self.memory_released = release_memory
         if release_memory:  # every engine, STALE ones too (a replacement awaiting the trainer's weights)
             await asyncio.gather(*(self._release(s, ["kv_cache", "weights"]) for s in self.slots.values()
-                                   if s.actor is not None and (s.health.serving or s.health.state is State.STALE)),
+                                   if s.actor is not None and s.health.running),
                                  return_exceptions=True)
         self.events.emit("fleet", "fleet", "phase", self.phase.value)
 
@@ -935,7 +935,7 @@ class FleetManager:
         out: dict[str, str] = {}
         for sid in slot_ids:
             s = self.slots[sid]
-            if s.info is None or not (s.health.serving or s.health.state is State.STALE):
+            if s.info is None or not s.health.running:
                 continue
             try:
                 v = await asyncio.wait_for(s.actor.weight_version.remote(), self.cfg.monitor.liveness_timeout_s * 5)

@@ -69,7 +69,7 @@ class RefitGateway:
         urls = []
         for sid in slot_ids:
             s = self.fleet.slots[sid]
-            usable = s.info is not None and (s.health.serving or s.health.state.value == "STALE")
+            usable = s.info is not None and s.health.running
             self._pins[sid] = s.info.url if usable else None
             if not usable:
                 self._miss(sid, f"no engine to stream to (state {s.health.state.value})")

@@ -494,7 +494,7 @@ class BelayerSGLangMixin:
 
         async def one(sid: str) -> Any:
             s = fm.slots[sid]
-            if s.info is None or not (s.health.serving or s.health.state.value == "STALE"):
+            if s.info is None or not s.health.running:
                 raise RuntimeError(f"Belayer: engine slot {sid} has no engine to check (state "
                                    f"{s.health.state.value})")
             r = await s.actor.call.remote("POST", "/weights_checker", {"action": action})

@@ -188,7 +188,6 @@ class BelayerReplica(RolloutReplica):
         self.dead: Optional[str] = None  # why the server is gone, once a lifecycle call found it so
         self.incarnation = 0
         self.belayer_owner: Optional[int] = None  # the agent loop manager that heals it (one per run)
-        _replicas.add(self)  # also done by track_replicas(); kept for a process that imported this module only
 
     async def init_standalone(self) -> None:
         """Standalone replica on CPU: no GPU resource pool, the server actor only."""
