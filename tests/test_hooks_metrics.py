@@ -50,38 +50,62 @@ def _verl_config(ft: bool = True, dapo: bool = False, mode: str = "sync"):
     return cfg
 
 
-def test_verl_v1_builds_belayers_replay_buffer_from_the_recipe_and_it_refuses_dapo_it_cannot_carry():
+def test_verl_v1_builds_belayers_replay_buffer_from_the_recipe_with_every_setting_verl_gives_its_own():
+    """verl's trainer gives a custom sampler no DAPO / refill settings; the recipe's BelayerReplayBuffer must
+    still get exactly what verl's built-in buffer gets for the same config (read from verl's own build)."""
     pytest.importorskip("verl", reason="verl 0.9.1 not installed (bash .ci/setup_verl.sh)")
     pytest.importorskip("transfer_queue", reason="verl's v1 trainer needs TransferQueue (bash .ci/setup_verl.sh)")
-    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
-    from verl.workers.rollout.llm_server import LLMServerClient
+    import copy
 
-    from belayer_plugin.hooks.verl.manager import current_manager
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+    from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
     from belayer_plugin.hooks.verl.step_metrics import BelayerReplayBuffer, BelayerReplayBufferAsync
 
-    for mode, cls, base in (("sync", BelayerReplayBuffer, ReplayBuffer),
-                            ("colocate_async", BelayerReplayBufferAsync, ReplayBufferAsync)):
-        cfg = _verl_config(mode=mode)
-        # verl's own PPOTrainer._build_replay_buffer (trainer_base.py) on the recipe's custom_sampler keys
-        trainer = SimpleNamespace(config=cfg, trainer_mode=mode, _add_prompts_to_generate=lambda n: n)
-        rb = PPOTrainer._build_replay_buffer(trainer)
+    def built(cfg, mode):
+        # verl's own PPOTrainer._build_replay_buffer on the mode's trainer class, called as PPOTrainer.__init__ calls it (the trainer's
+        # other attributes are not read there)
+        trainer = object.__new__(PPOTrainerColocateAsync if mode == "colocate_async" else PPOTrainerSync)
+        trainer.config, trainer.trainer_mode = cfg, mode
+        return trainer, trainer._build_replay_buffer()
+
+    settings = ("trainer_mode", "max_off_policy_threshold", "max_off_policy_strategy", "filter_groups_metric",
+                "train_batch_size", "gen_batch_size", "max_inflight_gen_batches", "sync_refill_failed_groups")
+    for mode, dapo, refill, cls, base in (("sync", False, False, BelayerReplayBuffer, ReplayBuffer),
+                                          ("sync", True, False, BelayerReplayBuffer, ReplayBuffer),
+                                          ("sync", False, True, BelayerReplayBuffer, ReplayBuffer),
+                                          ("colocate_async", False, True, BelayerReplayBufferAsync, ReplayBufferAsync)):
+        cfg = _verl_config(mode=mode, dapo=dapo)
+        cfg.algorithm.filter_groups.max_inflight_gen_batches = 3
+        cfg.trainer.v1.sampler.sync_refill_failed_groups = refill
+        cfg.data.train_batch_size, cfg.data.gen_batch_size = 8, 12
+        trainer, rb = built(cfg, mode)
         assert type(rb) is cls and isinstance(rb, base), type(rb)
         # the mode's own sampling (ReplayBufferAsync.sample in the async modes), with Belayer's metrics added
         assert type(rb).__mro__.index(base) > type(rb).__mro__.index(BelayerReplayBuffer)
+        verls = copy.deepcopy(cfg)
+        verls.trainer.v1.sampler.custom_sampler = None
+        _, want = built(verls, mode)
+        assert type(want) is base
+        got = {k: getattr(rb, k, None) for k in settings}
+        assert got == {k: getattr(want, k, None) for k in settings}, (mode, dapo, refill)
+        if dapo:
+            assert got["filter_groups_metric"] == "reward" and got["max_inflight_gen_batches"] == 3
+        assert rb.refill_fn.__self__ is trainer  # refills go to the trainer itself
 
-    from belayer_plugin.hooks.verl.manager import BelayerLegacyAgentLoopManager
 
-    for ft, dapo in ((True, False), (True, True), (False, False)):
-        cfg = _verl_config(ft=ft, dapo=dapo)
+def test_verl_managers_take_belayers_step_metrics_as_deltas_and_nothing_when_off():
+    pytest.importorskip("verl", reason="verl 0.9.1 not installed (bash .ci/setup_verl.sh)")
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    from belayer_plugin.hooks.verl.manager import BelayerLegacyAgentLoopManager, current_manager
+
+    for ft in (True, False):
+        cfg = _verl_config(ft=ft)
         cfg.actor_rollout_ref.rollout.name = "vllm"
         m = BelayerLegacyAgentLoopManager(config=cfg, llm_client=LLMServerClient(cfg, None))
         assert current_manager() is m  # what BelayerReplayBuffer.sample takes the step's metrics from
-        if dapo:
-            with pytest.raises(ValueError, match="algorithm.filter_groups.enable=true"):
-                m.check_replay_buffer_supported()
-            continue
-        m.check_replay_buffer_supported()
         if not ft:
             assert m.take_step_metrics() == {}  # off: verl's metrics unchanged
             continue

@@ -126,6 +126,41 @@ def test_agent_loop_managers_swap_in_belayers_client_and_leave_verls_alone_when_
         assert m.llm_client is off and m.recovery is None
 
 
+def test_fault_tolerance_on_refuses_verls_own_router_at_start_up_and_the_trainers_toggle_reaches_belayers(ray_cluster):
+    """The router is verl's actor, built by verl's router factory from the router YAML (which the trainer's
+    command-line overrides never reach): Belayer's manager must refuse verl's balancer at start-up with fault
+    tolerance on, and hand its own toggle to Belayer's balancer whatever the YAML says."""
+    import ray
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    from belayer_plugin.hooks.verl.manager import BelayerLegacyAgentLoopManager
+
+    @ray.remote(num_cpus=0)
+    class Server:
+        pass
+
+    servers = {"127.0.0.1:9000": Server.remote()}
+    verls = get_router_handle(servers)  # no router_config_path: verl's GlobalRequestLoadBalancer
+    belayers = get_router_handle(servers, router_config_path=str(ROOT / "recipes" / "verl" / "router.yaml"))
+    try:
+        assert ray.get(belayers.get_status.remote(), timeout=60)["use_fault_tolerance"]  # the YAML's value
+        m = BelayerLegacyAgentLoopManager(config=_config(), llm_client=LLMServerClient(_config(), verls))
+        with pytest.raises(ValueError, match=r"router_config_path=\$\{belayer_recipe:verl/router.yaml\}"):
+            asyncio.run(m.configure_balancer())
+        off = BelayerLegacyAgentLoopManager(config=_config(ft=False), llm_client=LLMServerClient(_config(), verls))
+        asyncio.run(off.configure_balancer())  # off: verl's own router is what verl would use
+        for ft in (False, True):
+            m = BelayerLegacyAgentLoopManager(config=_config(ft=ft, full_determinism=ft),
+                                              llm_client=LLMServerClient(_config(), belayers))
+            asyncio.run(m.configure_balancer())
+            status = ray.get(belayers.get_status.remote(), timeout=60)
+            assert status["use_fault_tolerance"] is ft and status["full_determinism"] is ft
+    finally:
+        for h in (verls, belayers, *servers.values()):
+            ray.kill(h, no_restart=True)
+
+
 def test_plugin_entry_point_registers_belayer_at_import_verl_without_env_vars():
     code = ("import verl\n"
             "from verl.workers.rollout.replica import RolloutReplicaRegistry as R\n"

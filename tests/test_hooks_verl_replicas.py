@@ -85,8 +85,9 @@ def verl_config(model: str, tmp: Path, ft: bool = True, legacy: bool = True):
     cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class = \
         "belayer_plugin.hooks.verl.manager.BelayerLegacyAgentLoopManager"
     router = yaml.safe_load((ROOT / "recipes" / "verl" / "router.yaml").read_text())
-    router["belayer"] = {**router.get("belayer", {}), **{k: BELAYER[k] for k in ("monitor", "recovery")},
-                         "use_fault_tolerance": ft}
+    # the router YAML keeps the recipe's toggle (on): the trainer's belayer.use_fault_tolerance, as a command
+    # line would set it, reaches the balancer through the agent loop manager
+    router["belayer"] = {**router.get("belayer", {}), **{k: BELAYER[k] for k in ("monitor", "recovery")}}
     path = tmp / f"router-{'on' if ft else 'off'}.yaml"
     path.write_text(yaml.safe_dump(router))
     cfg.actor_rollout_ref.rollout.router_config_path = str(path)
@@ -492,6 +493,7 @@ def test_below_the_healthy_floor_the_typed_error_names_the_replicas(run, golden)
 
 
 def test_toggle_off_is_verls_own_client_and_a_dead_replica_fails_the_step(ray_cluster, tiny_model, tmp_path, golden):
+    import ray
     from verl.workers.rollout.llm_server import LLMServerClient
 
     cfg = verl_config(tiny_model, tmp_path, ft=False)
@@ -499,6 +501,7 @@ def test_toggle_off_is_verls_own_client_and_a_dead_replica_fails_the_step(ray_cl
     r = Run(cfg)
     try:
         assert type(r.agents.llm_client) is LLMServerClient and r.recovery is None
+        assert not ray.get(r.lb.get_status.remote(), timeout=60)["use_fault_tolerance"]  # the YAML says on
         r.start()
         out = r.generate()
         for k in KEYS[:-1]:

@@ -14,8 +14,9 @@ own (sticky by request id, then least in-flight); Belayer adds membership:
 - step metrics: every eviction of an admitted server counts one `engine_deaths_detected`, and the clients in
   verl's agent loop workers add their requests' recovery counts (`add_step_metrics`); Belayer's agent loop
   manager takes them once per step (`take_step_metrics`, see hooks/verl/step_metrics.py).
-- `rollout.full_determinism` (verl does not pass it to router plugins: Belayer's agent loop manager calls
-  `set_full_determinism`, or the router YAML sets `full_determinism: true`): a new request goes to the server
+- `rollout.full_determinism` and `belayer.use_fault_tolerance` (verl passes neither to router plugins, and
+  command-line overrides never reach the router YAML: Belayer's agent loop manager calls `configure` with the
+  trainer's values at start-up): a new request goes to the server
   its request id hashes to (a hash that is the same in every process and run, unlike Python's `hash`), whatever
   the load; with fault tolerance off, verl's own formula.
 """
@@ -154,6 +155,17 @@ class BelayerLoadBalancer:
     def set_full_determinism(self, enabled: bool) -> None:
         """`rollout.full_determinism`: route new requests by a stable hash of their id (see the module doc)."""
         self.full_determinism = bool(enabled)
+
+    def configure(self, use_fault_tolerance: bool, full_determinism: bool) -> dict:
+        """The trainer's settings (Belayer's agent loop manager calls it at start-up): its
+        `belayer.use_fault_tolerance`, command-line toggles included, wins over the router YAML's, which verl
+        reads from a file the trainer's overrides never reach. Returns get_status()."""
+        if use_fault_tolerance != self.ft:
+            log.warning("belayer.use_fault_tolerance=%s from the trainer's config (the router YAML says %s)",
+                        use_fault_tolerance, self.ft)
+        self.ft = bool(use_fault_tolerance)
+        self.set_full_determinism(full_determinism)
+        return self.get_status()
 
     async def report_failure(self, server_id: str, reason: str) -> bool:
         """A request failed on `server_id`: evicts it if its actor is gone; returns whether it was evicted."""

@@ -93,11 +93,23 @@ class BelayerManagerMixin:
         return instance
 
     async def configure_balancer(self) -> None:
-        """Hands `rollout.full_determinism` to Belayer's balancer (verl only gives it to its own)."""
+        """Hands the trainer's `belayer.use_fault_tolerance` and `rollout.full_determinism` to Belayer's balancer
+        (verl gives a router plugin neither, and overrides never reach the router YAML). With fault tolerance on,
+        a balancer that is not Belayer's is refused here, at start-up, rather than at the first request."""
         lb = getattr(self.llm_client, "_load_balancer", None)
-        if lb is None or not hasattr(lb, "set_full_determinism"):
+        if lb is None:
             return
-        await lb.set_full_determinism.remote(bool(self.rollout_config.get("full_determinism", False)))
+        try:
+            configure = lb.configure
+        except AttributeError:  # a Ray actor handle has exactly its class's methods
+            if self.belayer.use_fault_tolerance:
+                raise ValueError(
+                    "belayer.use_fault_tolerance=true needs Belayer's load balancer, and this run's router is "
+                    f"{_actor_class(lb)}: set actor_rollout_ref.rollout.router_config_path="
+                    "${belayer_recipe:verl/router.yaml} (recipes/verl/belayer.yaml has the line)") from None
+            return
+        await configure.remote(use_fault_tolerance=self.belayer.use_fault_tolerance,
+                               full_determinism=bool(self.rollout_config.get("full_determinism", False)))
 
     @auto_await
     async def take_step_metrics(self) -> dict[str, float]:
@@ -115,21 +127,17 @@ class BelayerManagerMixin:
             self.step_metrics.add(await take.remote())
         return self.step_metrics.take()
 
-    def check_replay_buffer_supported(self) -> None:
-        """BelayerReplayBuffer replaces verl's only where nothing of verl's is lost (raises otherwise)."""
-        fg = (self.config.get("algorithm") or {}).get("filter_groups")
-        if fg is not None and fg.get("enable", False):
-            raise ValueError(
-                "algorithm.filter_groups.enable=true: verl hands a custom sampler none of its DAPO settings, so "
-                "trainer.v1.sampler.custom_sampler=BelayerReplayBuffer would turn group filtering off. Remove "
-                "trainer.v1.sampler.custom_sampler from the recipe (Belayer's step metrics then stay out of "
-                "verl's logger) or turn filter_groups off")
-
     async def heal_replicas(self) -> int:
         """Restarts dead replicas of this process and admits those that serve the current weights."""
         if self.recovery is None or not self.replicas:
             return 0
         return await self.recovery.heal_in_place(self.replicas)
+
+
+def _actor_class(handle: Any) -> str:
+    """The class name of a Ray actor handle (or the handle's type where it is not an actor)."""
+    desc = getattr(handle, "_ray_actor_creation_function_descriptor", None)
+    return getattr(desc, "class_name", None) or type(handle).__name__
 
 
 class BelayerLegacyAgentLoopManager(BelayerManagerMixin, AgentLoopManager):

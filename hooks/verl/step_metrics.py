@@ -28,32 +28,65 @@ How verl picks them up (verl 0.9.1, read from its source):
 
 from __future__ import annotations
 
+import copy
+import logging
 from typing import Any
+
+from omegaconf import open_dict
 
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync  # imports TransferQueue, as v1 does
 
 from belayer_plugin.hooks.verl.manager import current_manager
+
+log = logging.getLogger("belayer.hooks.verl")
 
 
 class BelayerReplayBuffer(ReplayBuffer):
     """verl's v1 replay buffer (sync mode; ReplayBufferAsync's sampling in the async modes) whose `sample()`
     also returns Belayer's step metrics. Name it in the recipe:
     `trainer.v1.sampler.custom_sampler.path=pkg://belayer_plugin.hooks.verl.step_metrics`,
-    `trainer.v1.sampler.custom_sampler.name=BelayerReplayBuffer`."""
+    `trainer.v1.sampler.custom_sampler.name=BelayerReplayBuffer`.
 
-    def __new__(cls, *args: Any, trainer_mode: str = "sync", **kwargs: Any):
+    Built as verl builds its own buffer: verl gives a custom sampler only the base arguments (no DAPO
+    `filter_groups_metric`, `sync_refill_failed_groups`, `train_batch_size`, `gen_batch_size`,
+    `max_inflight_gen_batches`: trainer_base.py `_build_replay_buffer`), so the buffer is verl's own
+    `_build_replay_buffer` run on the trainer's config without the custom sampler (the trainer is the owner
+    of the `refill_fn` verl passes), then given this class. Only a buffer built outside verl's trainer keeps
+    the base arguments it was given."""
+
+    def __new__(cls, *args: Any, trainer_mode: str = "sync", refill_fn: Any = None, **kwargs: Any):
+        trainer = getattr(refill_fn, "__self__", None)
+        if cls is BelayerReplayBuffer and hasattr(trainer, "_build_replay_buffer"):
+            return _verls_own(trainer)
         if cls is BelayerReplayBuffer and trainer_mode != "sync":
             cls = BelayerReplayBufferAsync  # as verl's _build_replay_buffer picks its own two
+        log.warning("BelayerReplayBuffer built outside verl's trainer: verl's DAPO/refill settings are not known")
         return super().__new__(cls)
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        if getattr(self, "_built_by_verl", False):
+            return  # Python calls __init__ again with the custom sampler's reduced arguments: keep verl's
+        super().__init__(*args, **kwargs)
+
     def sample(self, global_steps: int, partition_id: str, batch_size: int):
-        manager = current_manager()
-        if manager is not None:
-            manager.check_replay_buffer_supported()
         batch, metrics = super().sample(global_steps, partition_id, batch_size)
+        manager = current_manager()
         if manager is not None and partition_id != "val":
             metrics = {**metrics, **manager.take_step_metrics()}
         return batch, metrics
+
+
+def _verls_own(trainer: Any) -> "BelayerReplayBuffer":
+    """The buffer verl's trainer builds with no custom sampler, as a BelayerReplayBuffer(Async)."""
+    view = copy.copy(trainer)  # the buffer is built in the trainer's __init__: a few attributes, shared
+    view.config = copy.deepcopy(trainer.config)
+    with open_dict(view.config):
+        view.config.trainer.v1.sampler.custom_sampler = None
+    rb = type(trainer)._build_replay_buffer(view)
+    rb.refill_fn = trainer._add_prompts_to_generate  # the trainer's, not the view's (a snapshot of its __init__)
+    rb.__class__ = BelayerReplayBufferAsync if isinstance(rb, ReplayBufferAsync) else BelayerReplayBuffer
+    rb._built_by_verl = True
+    return rb
 
 
 class BelayerReplayBufferAsync(BelayerReplayBuffer, ReplayBufferAsync):
