@@ -186,6 +186,28 @@ def test_plugin_entry_point_registers_belayer_at_import_verl_without_env_vars():
     assert off.returncode == 0 and off.stdout.strip().splitlines()[-1] == "False"
 
 
+def test_a_belayer_hook_that_fails_to_import_at_import_verl_is_named_not_swallowed(tmp_path):
+    """verl logs a plugin's import failure at debug level: a broken dependency of Belayer's hook (here aiohttp,
+    which verl's `import verl` does not import itself) must be printed, and the recipe's first Belayer line must
+    fail with that cause, not with OmegaConf's "Unsupported interpolation type"."""
+    broken = tmp_path / "aiohttp"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('aiohttp is broken in this environment')\n")
+    code = ("import verl\n"
+            "from omegaconf import OmegaConf\n"
+            "c = OmegaConf.load(%r)\n"
+            "print(c.actor_rollout_ref.rollout.router_config_path)\n" % str(ROOT / "recipes" / "verl" / "belayer.yaml"))
+    env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_MODULES"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode != 0, out.stdout[-2000:]
+    said = "Belayer's verl hook failed to import at `import verl`: ImportError: aiohttp is broken in this environment"
+    assert said in out.stderr, out.stderr[-3000:]  # printed at import verl
+    # the recipe's first ${belayer_recipe:...} fails with the cause
+    assert f"InterpolationResolutionError: RuntimeError raised while resolving interpolation: {said}" in out.stderr
+    assert "Unsupported interpolation" not in out.stderr, out.stderr[-3000:]
+
+
 def test_eos_ids_come_from_the_tokenizer_when_the_model_has_no_generation_config(tiny_model, tmp_path):
     """verl's vLLM server says "completed" for a stop and for a length cut alike: without the model's EOS ids an
     EOS that lands exactly on a chunk boundary reads as a length cut and generation runs past it. A model
