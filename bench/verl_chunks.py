@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CHUNKS = (32, 64, 128)
-DEFAULT_CHUNK = 64  # recipes/verl/belayer.yaml
+DEFAULT_CHUNK = 128  # recipes/verl/belayer.yaml
 
 
 def _prompts(n: int) -> list[list[int]]:
