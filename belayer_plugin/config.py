@@ -113,6 +113,9 @@ class EnginesConfig:
 @dataclass
 class RouterConfig:
     mode: str = _one_of("sglang_router", "direct")
+    # Where the router (and NeMo-RL's refit gateway) binds and what its URL names: "" is the driver node's own
+    # address as Ray knows it (127.0.0.1 on the loopback local cluster), reachable from other nodes. Never a
+    # wildcard.
     host: str = _req()
     port: int = _req()  # 0 picks a free port
     prometheus_port: int = _req()  # 0 picks a free port
@@ -129,6 +132,9 @@ class RouterConfig:
 
     def problems(self) -> list[str]:
         out = []
+        if self.host in ("0.0.0.0", "::", "[::]", "*"):
+            out.append(f"host: {self.host!r} is a wildcard: set the address to serve on, or \"\" for the driver "
+                       f"node's own")
         for name in ("port", "prometheus_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 out.append(f"{name}: must be a TCP port or 0")

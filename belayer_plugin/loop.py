@@ -46,6 +46,10 @@ class LoopConfig:
     # off) finish before the fleet is shut down, waited for up to this long; the report's `fleet_at_end` says
     # whether the run ended at full strength (fault tolerance on only).
     end_recovery_timeout_s: float = field(default=MISSING)
+    # On a cluster of several nodes (belayer.ray.address): each engine's first incarnation is placed with Ray's
+    # SPREAD strategy, over as many nodes as there are engines (Ray's default fills the driver's node first).
+    # Replacements and standbys are Belayer's to place (node exclusion, shadow.placement).
+    spread_engines: bool = field(default=MISSING)
 
     def problems(self) -> list[str]:
         out = []
@@ -105,6 +109,20 @@ def _refuse_used_run_dir(run_dir: Path) -> None:
     if used:
         raise ConfigError([f"belayer.run_dir: {run_dir} holds an earlier run ({', '.join(used)}); give a new or "
                            f"empty directory, or leave it empty for runs/<timestamp>"])
+
+
+def _spread_first_engines(num_engines: int) -> Callable[[str], dict]:
+    """FleetManager.actor_options: Ray's SPREAD strategy for the first incarnation of each engine slot; {} for
+    any later one, so that Belayer places replacements (node exclusion) and standbys (shadow.placement)."""
+    first = {f"engine-{i}" for i in range(num_engines)}
+
+    def opts(sid: str) -> dict:
+        if sid not in first:
+            return {}
+        first.discard(sid)
+        return {"scheduling_strategy": "SPREAD"}
+
+    return opts
 
 
 class RunFailed(RuntimeError):
@@ -219,9 +237,14 @@ class ReferenceLoop:
 
         cfg, lc = self.cfg, self.loop
         init_ray(cfg.ray)
+        # Before anything starts: on several nodes, a store that is not shared is a configuration error.
+        store_root = Path(cfg.sandbox.checkpoint_dir or self.run_dir / "sandbox-checkpoints")
+        store_nodes = await self._check_store(store_root)
         self._say(f"[belayer] run dir {self.run_dir}; fault tolerance {'ON' if cfg.use_fault_tolerance else 'OFF'}; "
                   f"chaos {cfg.chaos.kind + ' @ ' + cfg.chaos.trigger + ' ' + format(cfg.chaos.at, 'g') if cfg.chaos.enabled else 'off'}")
         self.fleet = FleetManager(cfg, self.run_dir, self.events)
+        if lc.spread_engines and len(store_nodes) > 1:  # store_nodes: every alive node, on a cluster of several
+            self.fleet.actor_options = _spread_first_engines(cfg.engines.num_engines)
         t0 = time.monotonic()
         backend = self._backend()
         # The tokenizer (transformers and torch imports), the learner (torch in its worker) and the sandbox
@@ -262,13 +285,13 @@ class ReferenceLoop:
             gen.observers.append(self.chaos.gen_observer)
             self.events.subscribe(self.chaos.on_event)
             self.chaos.start()
-        store = CheckpointStore(cfg.sandbox.checkpoint_dir or self.run_dir / "sandbox-checkpoints",
-                                keep=cfg.sandbox.keep_checkpoints)
+        store = CheckpointStore(store_root, keep=cfg.sandbox.keep_checkpoints)
         try:  # the runtime's own answer on CRIU, for the chaos checks (auto must not fall back where it works)
             criu_problem = backend.criu_problem() if cfg.sandbox.checkpoint_mode == "auto" else None
         except Exception as e:
             criu_problem = f"probe failed: {type(e).__name__}: {e}"
         self.sandbox_evidence = {"checkpoint_mode": cfg.sandbox.checkpoint_mode, "criu_problem": criu_problem,
+                                 "store_shared_by": sorted(store_nodes),
                                  "backend": cfg.sandbox.backend}
         spec = SandboxSpec(image=image, cpus=cfg.sandbox.cpus, memory_mb=cfg.sandbox.memory_mb,
                            pids_limit=cfg.sandbox.pids_limit, network=cfg.sandbox.network)
@@ -366,6 +389,31 @@ class ReferenceLoop:
             pending = [t for t in getattr(self.fleet.shadows, "_tasks", ()) if not t.done()]
             if pending:
                 await asyncio.wait(pending, timeout=lc.step_timeout_s)
+
+    async def _check_store(self, root: Path) -> dict[str, str]:
+        """On a cluster of several nodes, the run directory (the learner's checkpoints and the weights every
+        engine loads at a refit) and the sandbox checkpoint store (a lost node's sandboxes are restored on
+        another from it) must each be one shared directory on all of them: proved by a probe from every node,
+        else the run stops before anything starts with a ConfigError naming the nodes. Returns {node: probe}."""
+        from belayer_plugin.sandbox.shared_store import StoreNotShared, alive_nodes, check_shared_store
+
+        if len(await asyncio.to_thread(alive_nodes)) <= 1:
+            return {}
+        timeout_s = self.cfg.sandbox.shared_store_check_timeout_s
+        problems: list[str] = []
+        seen: dict[str, str] = {}
+        for path, what, why in ((self.run_dir, "belayer.run_dir", "the learner's weights are loaded from it by "
+                                 "every engine"), (root, "sandbox.checkpoint_dir", "a sandbox of a lost node is "
+                                 "restored on another from it")):
+            try:
+                seen = await check_shared_store(path, timeout_s, what, why)
+            except StoreNotShared as e:
+                problems.append(str(e))
+        if problems:
+            raise ConfigError(problems)
+        self._say(f"[belayer] run dir and sandbox checkpoint store {root}: shared by {len(seen)} nodes "
+                  f"({', '.join(sorted(seen))})")
+        return seen
 
     async def _settle_fleet(self) -> None:
         """After the last step: an engine that died late (in the last refit, say) is found, and recoveries

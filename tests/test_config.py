@@ -18,7 +18,7 @@ def test_default_recipe_is_valid_and_fault_tolerance_is_off_by_default():
     cfg, _ = load_belayer_config("fleet_demo")
     assert isinstance(cfg, BelayerConfig)
     assert cfg.use_fault_tolerance is False
-    assert cfg.router.host == "127.0.0.1" and cfg.engines.host == ""  # "": the node's own address (loopback locally)
+    assert cfg.router.host == "" and cfg.engines.host == ""  # "": the node's own address (loopback locally)
     assert cfg.sandbox.network == "none"
     assert cfg.chaos.enabled is False
 

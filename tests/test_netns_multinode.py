@@ -15,6 +15,7 @@ off or not; across machines that pid names a process on the driver's machine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -55,7 +56,9 @@ def test_engines_serve_from_their_own_nodes_and_a_stream_killed_on_b_resumes_on_
     b, c = cluster.nodes["b"].ip, cluster.nodes["c"].ip
     assert fig["urls"] == {"engine-0": b, "engine-1": c}
     assert fig["listen"] == {"engine-0": [b], "engine-1": [c]}  # its node's address only, no wildcard
-    assert fig["router_host"] == "127.0.0.1" and fig["router_ok"] == 2
+    # router.host "": the driver node's own address, which a process on node B reaches across the bridge
+    assert fig["router_host"] == cluster.nodes["a"].ip and fig["router_ok"] == 2
+    assert fig["router_from_b"] == {"node": b, "status": 200}
     assert fig["router_tokens_per_node"] == [GREEDY["max_new_tokens"]] * 2  # the router reached B and C
     assert fig["killed_seg_hosts"][0] == b and fig["killed_seg_hosts"][-1] == c
     assert fig["lost"] == 0 and fig["requests"] == len(PROMPTS)
@@ -90,6 +93,71 @@ def test_a_node_cut_off_until_ray_declares_it_dead_is_excluded_and_leaves_when_i
     assert fig["requests"] > 0 and fig["lost"] == 0 and fig["new_incarnation"] and not fig["old_url_in_router"]
     assert fig["old_routed_after_detection"] == [] and fig["old_segments_after_detection"] == 0
     assert not fig["b_alive_after_heal"] and fig["exclusion"].startswith("Ray reports node"), fig
+
+
+def belayer_run(cluster, run_dir: Path, timeout: float, *overrides: str) -> tuple[int, dict, str]:
+    """`belayer run demo` as the cluster's driver, joining it with ray.address=auto (RAY_ADDRESS names the head,
+    as `ray start --head` leaves it for a shell on that node); returns its exit code, report and output."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), **cluster.env(), "RAY_ADDRESS": cluster.address}
+    p = subprocess.run([str(Path(sys.executable).with_name("belayer")), "run", "demo", "belayer.ray.address=auto",
+                        f"belayer.run_dir={run_dir}", *overrides], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else {}
+    return p.returncode, report, (p.stdout + p.stderr)[-6000:]
+
+
+@contextlib.contextmanager
+def hidden_on(cluster, node: str, path: Path):
+    """`path` covered, in `node`'s mount namespace only, by an empty tmpfs: a directory of that name that is
+    the node's own, as a local path is on another machine."""
+    import subprocess
+
+    raylet = next(p for p in cluster.node_pids(node) if _comm(p) == "raylet")
+    subprocess.run(["nsenter", "-t", str(raylet), "-m", "mount", "-t", "tmpfs", "-o", "size=1m", "belayer-hidden",
+                    str(path)], check=True, timeout=30)
+    try:
+        yield
+    finally:
+        subprocess.run(["nsenter", "-t", str(raylet), "-m", "umount", str(path)], timeout=30)
+
+
+@pytest.mark.timeout(200)
+def test_belayer_run_on_a_cluster_whose_checkpoint_store_is_not_shared_stops_before_starting_naming_the_node(
+        cluster, tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    with hidden_on(cluster, "c", store):
+        rc, report, out = belayer_run(cluster, tmp_path / "run", 150, f"belayer.sandbox.checkpoint_dir={store}",
+                                      "belayer.chaos.enabled=false")
+    assert rc == 1 and report["status"] == "failed", out
+    err = report["error"]
+    print("NETNS_RUN_REFUSED", json.dumps({"error": err["message"], "wall_s": report.get("wall_s")}))
+    assert err["type"] == "ConfigError" and "sandbox.checkpoint_dir" in err["message"], err
+    c, others = cluster.nodes["c"].ip, [cluster.nodes[n].ip for n in ("a", "b")]
+    assert f"node {c} " in err["message"] and not any(f"node {ip} " in err["message"] for ip in others), err
+    assert report["steps"] == []  # nothing ran
+
+
+@pytest.mark.timeout(400)
+def test_belayer_run_joins_an_existing_cluster_spreads_its_engines_over_the_nodes_and_finishes(cluster, tmp_path):
+    rc, report, out = belayer_run(cluster, tmp_path / "run", 360, "belayer.chaos.enabled=false")
+    assert rc == 0 and report["status"] == "ok", out
+    ips = {n.ip for n in cluster.nodes.values()}
+    # every node proved the shared store (the run directory, on this one machine's file system)
+    assert report["sandbox_evidence"]["store_shared_by"] == sorted(ips), report["sandbox_evidence"]
+    # the engines' own answers at the end: where they listen (their URL) and what they generated
+    ev = report["engine_evidence"]
+    hosts = {sid: host_of(e["url"]) for sid, e in ev.items()}
+    print("NETNS_RUN", json.dumps({"nodes": {k: n.ip for k, n in cluster.nodes.items()}, "engines": hosts,
+                                   "store_shared_by": report["sandbox_evidence"]["store_shared_by"],
+                                   "steps": [s["step_s"] for s in report["steps"]]}))
+    assert set(hosts.values()) <= ips and len(set(hosts.values())) == len(hosts) >= 2, ev
+    assert set(hosts.values()) - {cluster.nodes["a"].ip}, ev  # at least one engine on another node than the driver
+    assert all(e["counters"]["generated_tokens"] > 0 for e in ev.values()), ev
+    assert len(report["steps"]) == 2 and all(s["trajectories"] > 0 for s in report["steps"])
 
 
 # -- the scenarios (in the driver subprocess) ------------------------------------------------------------------
@@ -146,6 +214,20 @@ def pin_first(nodes: dict[str, str]):
     return opts
 
 
+async def get_from_node(url: str, node: str) -> dict:
+    """GET `url` from a Ray task on `node` (its custom resource): its own address and the status it got."""
+    import ray
+
+    @ray.remote(num_cpus=0, resources={f"netns_node_{node}": 0.01}, max_retries=0)
+    def get(u: str) -> dict:
+        import urllib.request
+
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(u, timeout=10) as r:
+            return {"node": ray.util.get_node_ip_address(), "status": r.status}
+
+    return await asyncio.wait_for(asyncio.wrap_future(get.remote(url).future()), 60)
+
+
 async def golden_ids(url: str) -> list[list[int]]:
     import httpx
 
@@ -182,6 +264,7 @@ async def scenario_resume(cluster, run_dir: Path) -> dict:
         # The router: its bind address is the driver's choice (router.host), and it reaches both nodes.
         fig["router_host"] = host_of(fm.router.url)
         assert await fm.router.worker_urls() == {e0.url, e1.url}
+        fig["router_from_b"] = await get_from_node(fm.router.url + "/workers", "b")
         async with httpx.AsyncClient(trust_env=False) as c:
             async def generated() -> list[int]:  # tokens each engine generated for requests (not probes)
                 return [(await get_json(c, u, "/get_server_info", 10))["belayer_counters"].get("generated_tokens", 0)

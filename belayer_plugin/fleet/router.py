@@ -28,11 +28,22 @@ class RouterError(RuntimeError):
     """The router did not start, or a membership change did not take effect in time."""
 
 
+def router_host(configured: str) -> str:
+    """The address the router (and NeMo-RL's refit gateway beside it) binds and names in its URL: `router.host`
+    when set, else the driver node's own address as Ray registered it (engines.launch.engine_host: 127.0.0.1
+    on Belayer's loopback local cluster, the node's address on a cluster of several nodes, so that trainers
+    and clients on other nodes reach it). Never a wildcard (RouterConfig.problems refuses one)."""
+    from belayer_plugin.engines.launch import engine_host
+
+    return engine_host(configured)
+
+
 class Router:
     """One sglang-router process and a client for its /workers table."""
 
     def __init__(self, cfg: RouterConfig, log_dir: Path):
         self.cfg = cfg
+        self.host = router_host(cfg.host)
         self.log_dir = Path(log_dir)
         self.proc: Optional[subprocess.Popen] = None
         self.url = ""
@@ -40,7 +51,7 @@ class Router:
         self._client = httpx.AsyncClient()
 
     async def start(self) -> str:
-        """Starts the router (both its HTTP and Prometheus servers on cfg.host) and returns its URL once the
+        """Starts the router (both its HTTP and Prometheus servers on `self.host`) and returns its URL once the
         process listening there is known to be the one started here.
 
         A port from free_port() can be taken by another process (another job's router, another test) before
@@ -64,7 +75,7 @@ class Router:
     def _pick_ports(self) -> tuple[int, int]:
         """The HTTP and Prometheus ports for one start: the configured ones, else fresh free ports (distinct:
         the first is not held while the second is picked, so the OS may offer it twice)."""
-        host = self.cfg.host
+        host = self.host
         port = self.cfg.port or free_port(host)
         prom = self.cfg.prometheus_port
         if not prom:
@@ -76,7 +87,7 @@ class Router:
 
     async def _start_once(self, port: int, prom: int, deadline: float) -> str:
         """One start on (port, prom); PortClashError if another process holds or took either port."""
-        host = self.cfg.host
+        host = self.host
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
                 "--prometheus-host", host, "--prometheus-port", str(prom), "--policy", self.cfg.policy,
                 "--request-timeout-secs", str(self.cfg.request_timeout_s),

@@ -52,6 +52,15 @@ class CheckpointCorrupt(CheckpointError):
     """A published checkpoint failed verification (checksum, size or manifest); it must not be used."""
 
 
+class CheckpointIncompatible(CheckpointError):
+    """A checkpoint taken on a host this one cannot restore it on (another CRIU, kernel, architecture, cgroup
+    layout or image; see sandbox/host.py): refused, never restored, and left in the store for a host that can."""
+
+    def __init__(self, message: str, mismatches: Sequence[str] = ()):
+        super().__init__(message)
+        self.mismatches = list(mismatches)  # one line per difference, naming the recorded and the local value
+
+
 class RestoreError(SandboxError):
     """A restore failed; whatever it had started was killed and removed."""
 
@@ -118,6 +127,7 @@ class Backend(Protocol):
     name: str
 
     def image_exists(self, ref: str) -> bool: ...
+    def image_id(self, ref: str) -> Optional[str]: ...
     def import_image(self, tar_path: Path, ref: str) -> None: ...
     def remove_image(self, ref: str) -> None: ...
     def run(self, spec: SandboxSpec, name: str) -> str: ...

@@ -1,10 +1,13 @@
 """full_checkpoint / full_restore: verified, atomically published checkpoints of a sandbox.
 
 A checkpoint is a directory `<root>/<trajectory>/b<boundary>-<seq>/` holding the artifacts (CRIU images and
-the writable layer, or the writable layer alone in fs-only mode) and MANIFEST.json (boundary, trajectory
-id, mode, the sandbox spec, size and sha256 of every artifact, and a checksum of the manifest itself). It
-is assembled in a `.staging-*` directory and published by one rename once every artifact is complete, so
-a reader sees either a whole checkpoint or none; anything that fails verification is never restored.
+the writable layer, or the writable layer alone in fs-only mode), the LLM context of every boundary up to
+its own (context.json: any process reading the store can resume the trajectory from it) and MANIFEST.json
+(boundary, trajectory id, mode, the sandbox spec, the signature of the host that took it (sandbox/host.py),
+size and sha256 of every artifact, and a checksum of the manifest itself). It is assembled in a
+`.staging-*` directory and published by one rename once every artifact is complete, so a reader sees
+either a whole checkpoint or none; anything that fails verification is never restored, nor is a checkpoint
+from a host this one does not match (CheckpointIncompatible).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from belayer_plugin.sandbox.base import (
     Backend,
     CheckpointCorrupt,
     CheckpointError,
+    CheckpointIncompatible,
     CheckpointTimeout,
     CriuUnavailable,
     EventSink,
@@ -37,11 +41,13 @@ from belayer_plugin.sandbox.base import (
     new_name,
 )
 from belayer_plugin.sandbox.fsdiff import tar_upper, untar_upper
+from belayer_plugin.sandbox.host import host_signature, mismatches
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
 FS_FILE = "rootfs-diff.tar"
+CONTEXT_FILE = "context.json"
 FORMAT = 1
 MODES = ("full", "fs_only", "auto")
 _WARNED: set[str] = set()
@@ -97,6 +103,22 @@ class Checkpoint:
     @property
     def size_bytes(self) -> int:
         return sum(int(f["size"]) for f in self.body["files"])
+
+    @property
+    def host(self) -> Optional[dict]:
+        """The signature of the host that took it (None for a checkpoint taken before signatures)."""
+        return self.body.get("host")
+
+    def context(self) -> Optional[list[dict]]:
+        """The LLM context of each boundary 0..boundary ({index, token_ids, messages, action}), as the recorder
+        gave it when the checkpoint was taken; None when the checkpoint carries none. Read it after
+        CheckpointStore.verify (the file is one of the checksummed artifacts)."""
+        if not any(f["name"] == CONTEXT_FILE for f in self.body.get("files", [])):
+            return None
+        try:
+            return list(json.loads((self.path / CONTEXT_FILE).read_text())["boundaries"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointCorrupt(f"{self.id}: unreadable {CONTEXT_FILE} ({e})") from None
 
 
 class CheckpointStore:
@@ -255,8 +277,9 @@ def _emit(on_event: Optional[EventSink], subject: str, kind: str, reason: str, *
 
 def full_checkpoint(sandbox: Sandbox, boundary: int, store: CheckpointStore, trajectory_id: str,
                     mode: str = "auto", timeout_s: float = 60.0,
-                    on_event: Optional[EventSink] = None) -> Checkpoint:
-    """Captures the writable layer and (unless fs-only) the process state at a committed action boundary.
+                    on_event: Optional[EventSink] = None, context: Optional[list[dict]] = None) -> Checkpoint:
+    """Captures the writable layer and (unless fs-only) the process state at a committed action boundary,
+    with the LLM context of boundaries 0..boundary when `context` is given and this host's signature.
 
     Publishes only when every artifact is complete; on any failure the staging directory is deleted and
     the previous checkpoint stays. Raises SandboxDead when the container died (before or during it).
@@ -269,6 +292,7 @@ def full_checkpoint(sandbox: Sandbox, boundary: int, store: CheckpointStore, tra
             log.warning("sandbox checkpoints are FILE-SYSTEM ONLY (processes restart fresh after a restore): %s", why)
         _emit(sink, trajectory_id, "checkpoint_mode", f"CRIU unavailable, file-system only: {why}",
               requested=mode, mode=real_mode)
+    host = host_signature(sandbox.backend, sandbox.spec.image)  # cached after the first: off the freeze
     t0 = time.monotonic()
     with sandbox.lock:
         if not sandbox.alive():
@@ -290,12 +314,15 @@ def full_checkpoint(sandbox: Sandbox, boundary: int, store: CheckpointStore, tra
                 finally:
                     be.unpause(sandbox.container_id)
                 names = [FS_FILE]
+            if context is not None:
+                (staging / CONTEXT_FILE).write_text(json.dumps({"boundaries": context}, separators=(",", ":")))
+                names = [*names, CONTEXT_FILE]
             elapsed = time.monotonic() - t0
             if elapsed > timeout_s:
                 raise CheckpointTimeout(f"checkpoint took {elapsed:.2f}s > timeout {timeout_s}s")
             ck = store.publish(staging, {
                 "boundary": int(boundary), "trajectory_id": trajectory_id, "mode": real_mode,
-                "backend": be.name, "spec": dataclasses.asdict(sandbox.spec), "created_t": time.time(),
+                "backend": be.name, "spec": dataclasses.asdict(sandbox.spec), "created_t": time.time(), "host": host,
                 "duration_s": elapsed, "artifact_names": names})
         except BaseException as e:
             shutil.rmtree(staging, ignore_errors=True)
@@ -322,7 +349,8 @@ def full_restore(ck: Checkpoint, backend: Backend, store: Optional[CheckpointSto
                  on_event: Optional[EventSink] = None, name: Optional[str] = None) -> Sandbox:
     """A fresh container continuing from the checkpoint (processes too, unless it is fs-only).
 
-    Verifies the checkpoint first (CheckpointCorrupt: never used). After a failed restore nothing of the
+    Verifies the checkpoint first (CheckpointCorrupt: never used), then that this host can restore it
+    (CheckpointIncompatible, naming each difference: never used). After a failed restore nothing of the
     half-restored sandbox keeps running: the container and everything left in its cgroup are killed.
     """
     t0 = time.monotonic()
@@ -334,6 +362,13 @@ def full_restore(ck: Checkpoint, backend: Backend, store: Optional[CheckpointSto
     if ck.body["backend"] != backend.name:
         raise RestoreError(f"checkpoint {ck.id} was taken with {ck.body['backend']}, not {backend.name}")
     spec = ck.spec
+    bad = mismatches(ck.host, host_signature(backend, spec.image), ck.mode)
+    if bad:
+        err = CheckpointIncompatible(f"checkpoint {ck.id} ({ck.mode}) cannot be restored on this host: "
+                                     + "; ".join(bad), bad)
+        _emit(on_event, subject, "restore_refused", str(err), checkpoint=ck.id, boundary=ck.boundary,
+              mode=ck.mode, mismatches=bad)
+        raise err
     name = name or new_name()
     t_verify = time.monotonic() - t0
     try:

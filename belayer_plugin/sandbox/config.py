@@ -57,7 +57,10 @@ class SandboxConfig:
     pids_limit: int = _req()
     exec_timeout_s: float = _req()  # default per-command limit inside the sandbox
     checkpoint_mode: str = _one_of("full", "fs_only", "auto")  # auto: full if CRIU >= 4.2 works, else fs_only
-    checkpoint_dir: str = _req()  # "" -> <run_dir>/sandbox-checkpoints
+    # "" -> <run_dir>/sandbox-checkpoints. On a cluster of several nodes: a path on a file system every node
+    # mounts (NFS, CephFS, ...), so that another node restores a lost node's sandboxes; checked at start-up.
+    checkpoint_dir: str = _req()
+    shared_store_check_timeout_s: float = _req()  # each node's answer to that start-up check (sandbox/shared_store.py)
     checkpoint_timeout_s: float = _req()
     restore_timeout_s: float = _req()
     restore_retries: int = _req()  # attempts per checkpoint before falling back to an older one
@@ -81,7 +84,7 @@ class SandboxConfig:
             out.append(f"memory_mb: must be >= 16, got {self.memory_mb}")
         if self.pids_limit < 8:
             out.append(f"pids_limit: must be >= 8, got {self.pids_limit}")
-        for name in ("exec_timeout_s", "checkpoint_timeout_s", "restore_timeout_s"):
+        for name in ("exec_timeout_s", "checkpoint_timeout_s", "restore_timeout_s", "shared_store_check_timeout_s"):
             if getattr(self, name) <= 0:
                 out.append(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.restore_retries < 1:

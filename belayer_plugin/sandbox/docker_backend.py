@@ -162,6 +162,13 @@ class DockerBackend:
         except self._errors.NotFound:
             return False
 
+    def image_id(self, ref: str) -> Optional[str]:
+        """The image's content id (None when it is absent)."""
+        try:
+            return str(self.api.inspect_image(ref)["Id"]) or None
+        except self._errors.NotFound:
+            return None
+
     def import_image(self, tar_path: Path, ref: str) -> None:
         repo, _, tag = ref.rpartition(":") if ":" in ref.split("/")[-1] else (ref, "", "latest")
         self.api.import_image_from_file(str(tar_path), repository=repo, tag=tag,

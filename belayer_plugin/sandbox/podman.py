@@ -94,6 +94,13 @@ class PodmanBackend:
     def image_exists(self, ref: str) -> bool:
         return self._run(["image", "exists", ref], check=False).returncode == 0
 
+    def image_id(self, ref: str) -> Optional[str]:
+        """The image's content id (None when it is absent)."""
+        cp = self._run(["image", "inspect", "--format", "{{.Id}}", ref], check=False)
+        if cp.returncode != 0:
+            return None
+        return cp.stdout.decode().strip() or None
+
     def import_image(self, tar_path: Path, ref: str) -> None:
         self._run(["import", "--change", f"ENV PATH={DEFAULT_PATH}", "--change", "WORKDIR /root",
                    str(tar_path), ref], timeout_s=600)

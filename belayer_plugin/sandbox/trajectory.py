@@ -6,11 +6,15 @@ restores the newest usable checkpoint at or before the last committed boundary i
 truncates the context to that same boundary and hands it back so the agent regenerates from there. The
 action that was in flight when the environment failed has an uncertain effect and is never replayed;
 committed actions may be replayed exactly when the environment is declared deterministic.
+
+Every checkpoint carries the context of the boundaries up to its own, so a process other than the one that
+took it (on another node, reading a shared store) resumes the trajectory from it: `TrajectoryRecorder.resume`.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import threading
 import time
@@ -20,6 +24,7 @@ from typing import Any, Callable, Optional
 from belayer_plugin.sandbox.base import (
     Backend,
     CheckpointCorrupt,
+    CheckpointIncompatible,
     EventSink,
     RestoreError,
     Sandbox,
@@ -27,7 +32,8 @@ from belayer_plugin.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
-from belayer_plugin.sandbox.checkpoint import Checkpoint, CheckpointStore, full_checkpoint, full_restore
+from belayer_plugin.sandbox.checkpoint import (CONTEXT_FILE, Checkpoint, CheckpointStore, full_checkpoint,
+                                               full_restore)
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,15 @@ class Rollback:
     uncertain_action: Any  # the in-flight action whose effect was uncertain (never replayed), or None
     replayed_actions: int = 0
     restore_s: float = 0.0
+
+
+def _record_json(r: BoundaryRecord) -> dict:
+    """A boundary as a checkpoint's context.json stores it (the action only where JSON can carry it)."""
+    try:
+        action = json.loads(json.dumps(r.action))
+    except (TypeError, ValueError):
+        action = None
+    return {"index": r.index, "token_ids": list(r.token_ids), "messages": r.messages, "action": action}
 
 
 def default_replay(sandbox: Sandbox, action: Any) -> Any:
@@ -184,8 +199,10 @@ class TrajectoryRecorder:
                                f"{same.boundary}): boundary {b} restores from it", boundary=b,
                                checkpoint=same.id, checkpoint_boundary=same.boundary)
                     return same
+                with self._lock:
+                    context = [_record_json(r) for r in self.boundaries[: b + 1]]
                 ck = full_checkpoint(sandbox, b, self.store, self.trajectory_id, self.checkpoint_mode,
-                                     self.checkpoint_timeout_s, on_event=self.on_event)
+                                     self.checkpoint_timeout_s, on_event=self.on_event, context=context)
                 self._note_clean(ck, sandbox)
             with self._lock:
                 if epoch != self.epoch or b > self.latest:
@@ -273,6 +290,11 @@ class TrajectoryRecorder:
                         self._emit("checkpoint_corrupt", str(e), checkpoint=ck.id, boundary=ck.boundary)
                         self._forget(ck)
                         break
+                    except CheckpointIncompatible as e:  # never used here; left for a host that can restore it
+                        self._emit("checkpoint_incompatible", str(e), checkpoint=ck.id, boundary=ck.boundary,
+                                   mismatches=e.mismatches)
+                        self._forget(ck, discard=False)
+                        break
                     except (RestoreError, SandboxError, OSError) as e:
                         self._emit("restore_retry", f"attempt {attempt} failed: {e}", checkpoint=ck.id,
                                    boundary=ck.boundary, attempt=attempt)
@@ -318,16 +340,118 @@ class TrajectoryRecorder:
         finally:
             self._ck_lock.release()
 
-    def _forget(self, ck: Checkpoint) -> None:
+    def _forget(self, ck: Checkpoint, discard: bool = True) -> None:
         with self._lock:
             self.checkpoints.pop(ck.id, None)
             for r in self.boundaries:
                 if r.checkpoint_id == ck.id:
                     r.checkpoint_id = None
+        if not discard:
+            return
         try:
             self.store.discard(ck)
         except OSError:
             pass
+
+    # -- resume elsewhere ---------------------------------------------------------------------------
+    @classmethod
+    def resume(cls, trajectory_id: str, backend: Backend, store: CheckpointStore, *,
+               exec_timeout_s: float = 60.0, on_event: Optional[EventSink] = None,
+               reason: str = "resumed from the checkpoint store",
+               **options: Any) -> tuple["TrajectoryRecorder", Rollback]:
+        """A trajectory whose sandbox and recorder were lost with their node (or process), continued here from
+        the store: the newest checkpoint that verifies and that this host can restore, in a fresh container,
+        with the LLM context of that same boundary (its context.json). Corrupt checkpoints are discarded, those
+        of an incompatible host skipped (left in the store), each restore retried `restore_retries` times; with
+        none usable the sandbox is rebuilt from the base image at boundary 0 (`setup` re-run) when a verified
+        checkpoint gave the prompt, else RestoreError. `options` are the recorder's keyword arguments."""
+        t0 = time.monotonic()
+        retries = int(options.get("restore_retries", 2))
+        restore_timeout_s = float(options.get("restore_timeout_s", 60.0))
+        cks = list(reversed(store.list(trajectory_id)))
+        if not cks:
+            raise RestoreError(f"trajectory {trajectory_id}: no checkpoint in {store.root}")
+        failed = cks[0].boundary  # the newest boundary the store knows of (later actions died with the node)
+        why: list[str] = []
+        sb: Optional[Sandbox] = None
+        used: Optional[Checkpoint] = None
+        prompt: Optional[tuple[SandboxSpec, dict]] = None  # (spec, boundary 0) of a verified checkpoint
+
+        def emit(kind: str, text: str, **figures: Any) -> None:
+            rec = {"t": time.time(), "component": "sandbox", "subject": trajectory_id, "kind": kind,
+                   "reason": text, **figures}
+            log.info("trajectory %s %s: %s %s", trajectory_id, kind, text, figures)
+            if on_event is not None:
+                try:
+                    on_event(rec)
+                except Exception:  # a broken sink must not stop the resume
+                    log.exception("on_event callback failed")
+
+        for ck in cks:
+            if not any(f["name"] == CONTEXT_FILE for f in ck.body.get("files", [])):
+                why.append(f"{ck.id}: carries no LLM context")
+                emit("checkpoint_without_context", "the LLM context of its boundary is unknown", checkpoint=ck.id,
+                     boundary=ck.boundary)
+                continue
+            for attempt in range(1, retries + 1):
+                try:
+                    sb = full_restore(ck, backend, store, sandbox_id=trajectory_id, timeout_s=restore_timeout_s,
+                                      exec_timeout_s=exec_timeout_s, on_event=on_event)
+                    break
+                except CheckpointCorrupt as e:
+                    why.append(str(e))
+                    emit("checkpoint_corrupt", str(e), checkpoint=ck.id, boundary=ck.boundary)
+                    try:
+                        store.discard(ck)
+                    except OSError:
+                        pass
+                    break
+                except CheckpointIncompatible as e:
+                    why.append(str(e))
+                    emit("checkpoint_incompatible", str(e), checkpoint=ck.id, boundary=ck.boundary,
+                         mismatches=e.mismatches)
+                    ctx = ck.context()  # verified before the host check: its prompt can be trusted
+                    if prompt is None and ctx:
+                        prompt = (ck.spec, ctx[0])
+                    break
+                except (RestoreError, SandboxError, OSError) as e:
+                    why.append(f"{ck.id}: attempt {attempt}: {e}")
+                    emit("restore_retry", f"attempt {attempt} failed: {e}", checkpoint=ck.id, boundary=ck.boundary,
+                         attempt=attempt)
+            if sb is not None:
+                used = ck
+                break
+        if sb is not None and used is not None:
+            records = used.context() or []
+            spec = used.spec
+        elif prompt is not None:
+            spec, first = prompt
+            sb = Sandbox.create(backend, spec, trajectory_id, exec_timeout_s, on_event)
+            if options.get("setup") is not None:
+                options["setup"](sb)
+            records = [first]
+        else:
+            raise RestoreError(f"trajectory {trajectory_id}: no checkpoint in {store.root} can be restored here: "
+                               + "; ".join(why))
+        rec = cls(trajectory_id, sb, store, on_event=on_event, **options)
+        rec.base_spec = spec
+        rec.boundaries = [BoundaryRecord(int(r["index"]), list(r["token_ids"]), r["messages"], r.get("action"))
+                          for r in records]
+        target = rec.latest
+        if used is not None:
+            rec.boundaries[-1].checkpoint_id = used.id
+            rec.checkpoints = {used.id: used}
+            rec._note_clean(used, sb)
+        dropped = store.drop_after(trajectory_id, target)  # the abandoned future is never restored
+        rb = Rollback(target, list(rec.boundaries[-1].token_ids), copy.deepcopy(rec.boundaries[-1].messages), sb,
+                      used.id if used is not None else None, failed, failed - target, None, 0,
+                      time.monotonic() - t0)
+        rec.recoveries = 1
+        rec._emit("rollback", reason, failed_boundary=failed, restored_boundary=target, boundary=target,
+                  checkpoint=rb.checkpoint_id, discarded_actions=rb.discarded_actions, uncertain_action=False,
+                  replayed_actions=0, dropped_checkpoints=dropped, duration_s=rb.restore_s,
+                  from_base_image=used is None, resumed_from_store=True)
+        return rec, rb
 
     # -- fork ---------------------------------------------------------------------------------------
     def fork(self, n: int, boundary: Optional[int] = None, workers: int = 0,

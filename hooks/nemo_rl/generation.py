@@ -279,10 +279,11 @@ class BelayerSGLangMixin:
         self.belayer_refit_targets: list[str] = []
         self.belayer_refit_lock = threading.Lock()  # for NeMo-RL's coming synchronizer (see below)
         from belayer_plugin.fleet.refit_gateway import RefitGateway
+        from belayer_plugin.fleet.router import router_host
 
         # NeMo-RL's policy workers stream weights to these per-slot URLs; the gateway binds where the router does
         # (the address the trainer's processes already reach Belayer at)
-        self.belayer_gateway = RefitGateway(self.belayer_fleet, self.belayer.router.host,
+        self.belayer_gateway = RefitGateway(self.belayer_fleet, router_host(self.belayer.router.host),
                                             self.belayer.engines.refit_request_timeout_s)
         self.belayer_loop.run(self.belayer_gateway.start(), 30)
         self.belayer_chaos = attach_chaos(self.belayer, self.belayer_fleet)
