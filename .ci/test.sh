@@ -24,7 +24,7 @@ echo "[test.sh] logs and per-test times (a.times, b.times) in $out"
 # (~3.7 min) and the verl real-replica script (~3.2 min) moved to A.
 A=(tests/test_functional.py tests/test_fork_groups.py tests/test_soak.py tests/test_fuzz_checkpoint.py
    $(ls tests/test_sandbox_*.py) tests/test_fleet_recovery.py tests/test_fleet_launch.py tests/test_fleet_progress.py
-   tests/test_chaos_positions.py tests/test_verl_real_replicas.py)
+   tests/test_chaos_positions.py tests/test_verl_real_replicas.py tests/test_verl_v1_transferqueue.py)
 B=()
 for f in tests/test_*.py; do
   case " ${A[*]} " in *" $f "*) ;; *) B+=("$f") ;; esac

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -244,12 +245,16 @@ async def test_verl_protocol_servers_kill_mid_rollout_evicts_and_resumes_and_tog
     actors = {f"srv-{i}": ray.remote(VerlProtocolServer).options(num_cpus=0, max_restarts=0).remote(e.url)
               for i, e in enumerate(engines)}
     pids = {sid: await a.pid.remote() for sid, a in actors.items()}
+    tracer = _traced()
     try:
         # toggle off: verl's own client path through the same balancer gives the reference ids
         lb_off = get_router_handle(dict(actors), router_config_path=_router_yaml(tmp_path, ft=False))
         off = BelayerLLMServerClient(_trainer_config(ft=False), load_balancer_handle=lb_off)
         golden = await _agent_loops(off, tokenizer, _trainer_config(ft=False))
         assert not (await lb_off.get_status.remote())["use_fault_tolerance"]
+        # verl's rollout tracing sees one generate span a request on either path (not none, not two), beside
+        # the agent loop's own
+        assert tracer.generates() == ["BelayerLLMServerClient.generate"] * len(golden) and tracer.errors == []
 
         lb = get_router_handle(dict(actors), router_config_path=_router_yaml(tmp_path))
         # verl ships the client to its AgentLoopWorker actors: the copy must work on its own
@@ -264,8 +269,11 @@ async def test_verl_protocol_servers_kill_mid_rollout_evicts_and_resumes_and_tog
                 os.kill(pids[seg.url], signal.SIGKILL)
 
         client.observers.append(kill)
+        tracer.ops.clear()
         assert await _agent_loops(client, tokenizer, _trainer_config()) == golden
         assert killed
+        # the resumed request too is one span, finished with its output
+        assert tracer.generates() == ["BelayerLLMServerClient.generate"] * len(golden) and tracer.errors == []
         st = await lb.get_status.remote()
         assert killed["sid"] not in st["servers"] and "ActorDiedError" in st["evicted"][killed["sid"]]
         # a dead handle is never admitted again; a live one is
@@ -275,8 +283,58 @@ async def test_verl_protocol_servers_kill_mid_rollout_evicts_and_resumes_and_tog
         assert await lb.add_servers.remote({"srv-new": fresh}) == ["srv-new"]
         actors["srv-new"] = fresh
     finally:
+        tracer.close()
         for a in actors.values():
             ray.kill(a, no_restart=True)
+
+
+class _Tracer:
+    """The client of a rollout-trace backend (weave's create_call / finish_call, what verl's rollout_trace_op
+    calls) and the one weave module verl reads the call's attributes from: weave needs a W&B server, which
+    cannot run here; verl's decorator and its configuration do."""
+
+    def __init__(self):
+        self.ops: list[str] = []
+        self.errors: list[BaseException] = []
+
+    def create_call(self, op, inputs, attributes=None):
+        self.ops.append(op)
+        return op
+
+    def generates(self) -> list[str]:
+        return [op for op in self.ops if op.endswith(".generate")]
+
+    def finish_call(self, call, output=None, exception=None):
+        if exception is not None:
+            self.errors.append(exception)
+
+    def close(self) -> None:
+        from verl.utils.rollout_trace import RolloutTraceConfig
+
+        RolloutTraceConfig.reset()
+        for name in _WEAVE_MODULES:
+            sys.modules.pop(name, None)
+
+
+_WEAVE_MODULES = ("weave", "weave.trace", "weave.trace.context")
+
+
+def _traced() -> _Tracer:
+    """verl's RolloutTraceConfig set up as RolloutTraceConfig.init("weave") sets it, over a recording client."""
+    import contextvars
+    import types
+
+    from verl.utils.rollout_trace import RolloutTraceConfig
+
+    assert not any(n in sys.modules for n in _WEAVE_MODULES), "weave is installed: use it instead"
+    context = types.ModuleType("weave.trace.context")
+    context.call_context = types.SimpleNamespace(call_attributes=contextvars.ContextVar("attrs", default={}))
+    for name in _WEAVE_MODULES:
+        sys.modules[name] = context if name.endswith("context") else types.ModuleType(name)
+    tracer = _Tracer()
+    cfg = RolloutTraceConfig.get_instance()
+    cfg.backend, cfg.client, cfg.token2text, cfg._initialized = "weave", tracer, False, True
+    return tracer
 
 
 def test_recipe_section_is_validated_all_at_once():
@@ -288,7 +346,7 @@ def test_recipe_section_is_validated_all_at_once():
                                                       "router.yaml")).belayer)
     assert cfg.use_fault_tolerance and cfg.recovery.mode in ("stream", "chunked")
     addition = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "recipes", "verl", "belayer.yaml"))
-    assert belayer_section(addition.belayer).recovery.chunk_tokens == 64
+    assert belayer_section(addition.belayer).recovery.chunk_tokens == 128
     from belayer_plugin.hooks.verl import router_config_path
 
     assert os.path.isfile(router_config_path())

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import ray
+from verl.utils.rollout_trace import rollout_trace_op
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
@@ -85,6 +86,11 @@ _served: contextvars.ContextVar[Optional[Served]] = contextvars.ContextVar("bela
 # verl sampling params passed on to the engine (verl names -> SGLang names where they differ)
 _PASS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "seed", "stop_token_ids", "ignore_eos",
          "min_new_tokens", "frequency_penalty", "presence_penalty")
+
+
+# verl's LLMServerClient.generate without its rollout_trace_op wrapper: Belayer's generate is traced itself, and
+# a request that takes verl's path must not appear twice in the trace
+_VERLS_GENERATE = getattr(LLMServerClient.generate, "__wrapped__", LLMServerClient.generate)
 
 
 class BalancerSelector:
@@ -200,15 +206,16 @@ class BelayerLLMServerClient(LLMServerClient):
         name = rollout.get("name") if hasattr(rollout, "get") else getattr(rollout, "name", "")
         return limit - input_len - (1 if name == "sglang" else 0)
 
+    @rollout_trace_op  # verl's rollout tracing (weave / mlflow / trackio) as on verl's client: one span a request
     async def generate(self, request_id, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        image_data: Optional[list[Any]] = None, video_data: Optional[list[Any]] = None,
                        audio_data: Optional[list[Any]] = None, mm_processor_kwargs: Optional[dict[str, Any]] = None,
                        **kwargs: Any) -> TokenOutput:
         multimodal = any(x is not None for x in (image_data, video_data, audio_data, kwargs.get("mm_processor_output")))
         if not self.belayer.use_fault_tolerance or multimodal:  # token resume covers text prompts only
-            out = await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
-                                         image_data=image_data, video_data=video_data, audio_data=audio_data,
-                                         mm_processor_kwargs=mm_processor_kwargs, **kwargs)
+            out = await _VERLS_GENERATE(self, request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
+                                        image_data=image_data, video_data=video_data, audio_data=audio_data,
+                                        mm_processor_kwargs=mm_processor_kwargs, **kwargs)
             if self.belayer.use_fault_tolerance:  # same keys as every other output of this client
                 out.extra_fields.setdefault("num_cached_tokens", None)
                 out.extra_fields.setdefault("belayer", None)

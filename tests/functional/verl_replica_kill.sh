@@ -9,6 +9,9 @@
 # Survival: every step's batch identical to the fault-free run, verl's replica holding one new live server that
 # got the trainer's sleep and then the current weights before it was routed, and both replicas serving the last step.
 #   KIND=belayer  runs the older scenario on Belayer's own replica kind (rollout.name=belayer) instead.
+#   KIND=vllm-tq  verl's v1 trainer as main_ppo runs it: TransferQueue, the recipe's BelayerAgentLoopManager
+#                 (verl's AgentLoopManagerTQ) and BelayerReplayBuffer, a server SIGKILLed mid-rollout; the
+#                 trajectories read back from TransferQueue equal the fault-free step's (tests/test_verl_v1_transferqueue.py).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${BELAYER_PY:-$ROOT/.venv/bin/python}
@@ -20,5 +23,7 @@ cd "$ROOT"
 case "$KIND" in
   vllm) exec "$PY" -m tests.test_verl_real_replicas --report "$out/report.json" "$@" ;;
   belayer) exec "$PY" -m tests.test_hooks_verl_replicas --report "$out/report.json" "$@" ;;
-  *) echo "verl_replica_kill: KIND is vllm (verl's replica class) or belayer" >&2; exit 2 ;;
+  vllm-tq) exec "$PY" -m tests.test_verl_v1_transferqueue --report "$out/report.json" "$@" ;;
+  *) echo "verl_replica_kill: KIND is vllm (verl's replica class), vllm-tq (v1 with TransferQueue) or belayer" >&2
+     exit 2 ;;
 esac
