@@ -15,13 +15,14 @@ import functools
 import os
 import re
 import subprocess
+import weakref
 from typing import Any, Optional
 
 from belayer_plugin.sandbox import criu as criu_mod
 
 # What a restore of each mode depends on (the keys of host_signature()).
 NEEDS = {"full": ("criu", "kernel", "arch", "cgroup", "image"), "fs_only": ("arch", "image")}
-_IMAGE_IDS: dict[tuple[int, str], str] = {}
+_IMAGE_IDS: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()
 
 
 @functools.lru_cache(maxsize=8)
@@ -53,8 +54,11 @@ def cgroup_layout() -> str:
 
 def image_id(backend: Any, ref: str) -> str:
     """The image's content id as the backend reports it (cached per backend and ref), else the ref itself."""
-    key = (id(backend), ref)
-    if key not in _IMAGE_IDS:
+    try:
+        known = _IMAGE_IDS.setdefault(backend, {})
+    except TypeError:  # not weakly referable: ask every time
+        known = {}
+    if ref not in known:
         get = getattr(backend, "image_id", None)
         found: Optional[str] = None
         if get is not None:
@@ -64,8 +68,8 @@ def image_id(backend: Any, ref: str) -> str:
                 found = None
         if not found:
             return ref
-        _IMAGE_IDS[key] = found
-    return _IMAGE_IDS[key]
+        known[ref] = found
+    return known[ref]
 
 
 def host_signature(backend: Any, image: str) -> dict[str, str]:
