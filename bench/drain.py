@@ -3,16 +3,19 @@
 Two CPU engines behind the real sglang-router; --requests (16) greedy streaming requests of --tokens
 tokens all start on engine A (the bench's selector places first attempts there), while engine B is idle.
 Once the first of them has committed --cut-at tokens:
-- wait arm: nothing is done; wait_s = that moment -> the last of A's requests finished (what taking A out
-  politely costs without a drain);
-- drain arm (same requests, same moment): FleetManager.drain(A); drain_s = the drain call -> every moved
-  request has committed its first token on B (the drain is complete for its clients), moved_s = -> no
-  request left on A, stop_s = -> A stopped and gone from the fleet.
+- wait arm: nothing is done; wait_s = that moment -> the last of A's requests finished, which is when A holds
+  no request (what taking A out politely costs without a drain);
+- drain arm (same requests, same moment): FleetManager.drain(A); moved_s = the drain call -> no request left
+  on A (the same end point as wait_s: A can be taken out), drain_s = -> every moved request has committed
+  its first token on B (the drain is complete for its clients), stop_s = -> A stopped and gone from the fleet.
+The ratio compares the same end point in both arms: wait_s / moved_s. Each arm also reports finish_s, the cut
+-> every request finished (on any engine), another common end point: what the drain costs the requests.
 "One prefill" (prefill_s) is the time to first token of the same --requests requests started together on
 an idle engine at the length they are resumed at. Ids are compared with the wait arm, and tokens
 regenerated are counted from the engines' own counters (generated_tokens vs committed). A fresh engine
 joins (scale_out) between repeats.
-Last line: RESULT drain_s=.. wait_s=.. ratio=wait_s/drain_s prefill_s=.. goal_met=(drain_s <= prefill_s + 0.2)
+Last line: RESULT drain_s=.. wait_s=.. moved_s=.. ratio=wait_s/moved_s finish_wait_s=.. finish_drain_s=..
+  prefill_s=.. goal_met=(drain_s <= prefill_s + 0.2)
 Usage: python bench/drain.py [--quick] [--requests 16] [--tokens N] [--cut-at K] [--repeats R]
 """
 
@@ -88,7 +91,7 @@ async def arm(fm: FleetManager, gen: ResumableGenerator, sel: FirstOn, args, dra
     outs = await asyncio.gather(*(gen.generate(f"{'d' if drain else 'w'}{i}", p, sp, on_progress=progress)
                                   for i, p in enumerate(prompts(args.requests))))
     t_end = time.monotonic()
-    res = {"ids": [log.output_ids for log, _ in outs]}
+    res = {"ids": [log.output_ids for log, _ in outs], "finish_s": t_end - marks["cut"]}
     on = {}
     for log, _ in outs:
         for g in log.segments:
@@ -143,19 +146,25 @@ async def main_async(args) -> None:
             w = await arm(fm, gen, sel, args, drain=False)
             d = await arm(fm, gen, sel, args, drain=True)
             same = d["ids"] == w["ids"]
-            rows.append((d["drain_s"], w["wait_s"], d["moved_s"], d["stop_s"], d["regenerated"], same, d["moved"]))
-            print(f"repeat {rep + 1}: moved {d['moved']} request(s); drain {d['drain_s']:.3f} s (off the engine "
-                  f"{d['moved_s']:.3f} s, engine stopped {d['stop_s']:.3f} s) vs waiting {w['wait_s']:.3f} s; "
-                  f"tokens regenerated {d['regenerated']}; ids identical: {same}")
+            rows.append((d["drain_s"], w["wait_s"], d["moved_s"], d["stop_s"], d["regenerated"], same, d["moved"],
+                         w["finish_s"], d["finish_s"]))
+            print(f"repeat {rep + 1}: moved {d['moved']} request(s); engine free of requests: drained "
+                  f"{d['moved_s']:.3f} s vs waiting {w['wait_s']:.3f} s (moved requests' first token on the other "
+                  f"engine {d['drain_s']:.3f} s, engine stopped {d['stop_s']:.3f} s); every request finished: "
+                  f"drained {d['finish_s']:.3f} s vs waiting {w['finish_s']:.3f} s; tokens regenerated "
+                  f"{d['regenerated']}; ids identical: {same}")
             if rep + 1 < args.repeats:
                 await fm.scale_out(1)
     finally:
         await gen.aclose()
         await fm.shutdown()
     med = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
-    drain_s, wait_s = med(0), med(1)
-    print(f"RESULT drain_s={drain_s:.3f} wait_s={wait_s:.3f} ratio={wait_s / drain_s:.1f} prefill_s={pre:.3f} "
-          f"goal_met={drain_s <= pre + 0.2} moved_s={med(2):.3f} stop_s={med(3):.3f} "
+    drain_s, wait_s, moved_s = med(0), med(1), med(2)
+    # the ratio on one end point in both arms: the engine holds no request (before: drain_s, the moved requests'
+    # first token, against wait_s, which grew with the request length by construction)
+    print(f"RESULT drain_s={drain_s:.3f} wait_s={wait_s:.3f} moved_s={moved_s:.3f} ratio={wait_s / moved_s:.1f} "
+          f"finish_wait_s={med(7):.3f} finish_drain_s={med(8):.3f} prefill_s={pre:.3f} "
+          f"goal_met={drain_s <= pre + 0.2} stop_s={med(3):.3f} "
           f"regenerated={max(r[4] for r in rows)} ids_identical={all(r[5] for r in rows)} "
           f"moved={min(r[6] for r in rows)} repeats={len(rows)}")
 
