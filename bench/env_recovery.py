@@ -7,7 +7,8 @@ would slow a CPU engine, so its cost shows up in the rollout time (--gen-sleep: 
 env, a process holding --hold-mb of memory).
 
 1. Recovery at failure points k, drawn uniformly from 1..N (seeded; --points of them per repeat), so they
-   fall anywhere between checkpoints, not on them: (a) full_restore of the newest checkpoint at or before k, then
+   fall anywhere between checkpoints, not on them, at two cadences: a checkpoint every 2 actions, and at the
+   actions where the adaptive policy of part 2 checkpointed (its first rollout; what a user gets): (a) full_restore of the newest checkpoint at or before k, then
    regenerate the actions after it; (b) a fresh sandbox from the base image, set-up, then regenerate all
    k actions. Regenerating an action costs one generation (simulated) plus its real exec.
 2. Overhead: the same rollout (i) without checkpoints, (ii) checkpointing synchronously after every action,
@@ -17,11 +18,13 @@ env, a process holding --hold-mb of memory).
 3. Side effects: a checkpoint after every action of a rollout where 3 actions in 4 are read-only, with
    side-effect detection (sandbox.policy.skip_unchanged) off and on: checkpoints taken and their time.
 
-Last line: RESULT restore_s=.. rebuild_s=.. ratio=.. visible_overhead_pct=.. rollout_overhead_pct=.. adaptive_checkpoints=..
+Last line: RESULT restore_s=.. rebuild_s=.. ratio=.. restore_every2_s=.. rebuild_every2_s=.. ratio_every2=..
+       adaptive_cadence=.. visible_overhead_pct=.. rollout_overhead_pct=.. adaptive_checkpoints=..
        [side_effect_checkpoints=.. ck_time_saved_pct=..]
-  restore_s: mean recovery time through full_restore (restore + regenerating the actions after the checkpoint)
+  restore_s: mean recovery time through full_restore (restore + regenerating the actions after the checkpoint),
+    at the adaptive policy's cadence (restore_every2_s: a checkpoint every 2 actions)
   rebuild_s: mean recovery time from the base image (fresh sandbox + set-up + regenerating all k actions)
-  ratio: rebuild_s / restore_s (goal >= 3.5); visible_overhead_pct: adaptive policy's visible wait / rollout
+  ratio: rebuild_s / restore_s at the adaptive cadence (goal >= 3.5); ratio_every2: the same every 2 actions; visible_overhead_pct: adaptive policy's visible wait / rollout
   rollout_overhead_pct: how much longer the adaptive rollout took than one without checkpoints (their CPU cost
   included: with CPU-bound generation a checkpoint hidden behind it still slows it)
 """
@@ -115,6 +118,7 @@ def rollout(backend, spec, setup, n: int, gen: Generation, store_root: Path, mod
                                async_checkpoint=policy_kind == "adaptive", enabled=policy_kind == "adaptive",
                                every_n_actions=1 if policy_kind == "sync_every" else 0, cooldown_s=20.0,
                                initial_checkpoint_s=1.0)
+    taken: list[int] = []  # the boundaries (actions) the policy checkpointed after
     t0 = time.monotonic()
     for i in range(1, n + 1):
         gt = time.monotonic()
@@ -130,13 +134,15 @@ def rollout(backend, spec, setup, n: int, gen: Generation, store_root: Path, mod
         if pol:
             pol.note_work(time.monotonic() - et, "exec", action_done=True)
             if i < n:  # after the last action nothing is left to protect (and no generation to hide behind)
-                pol.maybe_checkpoint_async(rec.latest)
+                if pol.maybe_checkpoint_async(rec.latest) is not None:
+                    taken.append(i)
     if pol:
         pol.wait_ready(timeout=120)
     total = time.monotonic() - t0
     assert query_state(rec.sandbox) == golden_state(n)
     out = {"total_s": total, "visible_s": pol.stats.visible_wait_s if pol else 0.0,
-           "checkpoint_s": pol.stats.checkpoint_s if pol else 0.0, "checkpoints": pol.stats.succeeded if pol else 0}
+           "checkpoint_s": pol.stats.checkpoint_s if pol else 0.0, "checkpoints": pol.stats.succeeded if pol else 0,
+           "boundaries": taken}
     if pol:
         pol.close()
     rec.close()
@@ -225,61 +231,65 @@ def main(argv=None) -> int:
               f"repeats={repeats} failure points {n_points} per repeat, uniform in 1..{n} (seed {args.seed})")
 
         parts = set(args.parts.split(","))
-        restore_tot, rebuild_tot, ck_durations, restore_only = [float("nan")], [float("nan")], [float("nan")], [float("nan")]
-        # -- 1. recovery at several failure points -------------------------------------------------
-        every = 2  # checkpoint every 2 actions in this part
-        print(f"\n[recovery] checkpoint every {every} actions; failure after action k")
-        print(f"{'k':>4} {'ck_at':>6} {'restore_s':>10} {'regen_after_s':>14} {'full_restore_total_s':>21} "
-              f"{'rebuild_total_s':>16} {'ratio':>7}")
-        if "recovery" in parts:
-            restore_tot, rebuild_tot, ck_durations, restore_only = [], [], [], []
-        for rep in range(repeats if "recovery" in parts else 0):
-            sb = Sandbox.create(backend, spec, "bench")
-            setup(sb)
-            store = CheckpointStore(work / f"rec{rep}", keep=n + 1)
-            cks = {}
-            for i in range(1, n + 1):
-                r = sb.exec(action(i)["command"], timeout=30)
-                assert r.exit_code == 0
-                if i % every == 0:
+
+        def recovery(boundaries: set[int], name: str) -> dict:
+            """Part 1 with checkpoints after the actions in `boundaries`: failure points k, full_restore of the
+            newest checkpoint at or before k (or the base image when there is none) against a rebuild."""
+            out = {"restore_tot": [], "rebuild_tot": [], "ck_durations": [], "restore_only": []}
+            print(f"\n[recovery, {name}] checkpoints after actions {sorted(boundaries)}; failure after action k")
+            print(f"{'k':>4} {'ck_at':>6} {'restore_s':>10} {'regen_after_s':>14} {'full_restore_total_s':>21} "
+                  f"{'rebuild_total_s':>16} {'ratio':>7}")
+            for rep in range(repeats):
+                sb = Sandbox.create(backend, spec, "bench")
+                setup(sb)
+                store = CheckpointStore(work / f"rec-{name.replace(' ', '')}-{rep}", keep=n + 1)
+                cks = {}
+                for i in range(1, n + 1):
+                    r = sb.exec(action(i)["command"], timeout=30)
+                    assert r.exit_code == 0
+                    if i in boundaries:
+                        t = time.monotonic()
+                        cks[i] = full_checkpoint(sb, i, store, "bench", args.mode, 120)
+                        out["ck_durations"].append(time.monotonic() - t)
+                sb.close()
+                for k in sorted(rng.randint(1, n) for _ in range(n_points)):
+                    at = max([b for b in cks if b <= k], default=None)
                     t = time.monotonic()
-                    cks[i] = full_checkpoint(sb, i, store, "bench", args.mode, 120)
-                    ck_durations.append(time.monotonic() - t)
-            sb.close()
-            for k in sorted(rng.randint(1, n) for _ in range(n_points)):
-                at = max([b for b in cks if b <= k], default=None)
-                t = time.monotonic()
-                if at is None:
-                    rs = Sandbox.create(backend, spec, "bench-r")
-                    setup(rs)
-                    at = 0
-                else:
-                    rs = full_restore(cks[at], backend, store, timeout_s=120)
-                restore_s = time.monotonic() - t
-                regen = regenerate(rs, at + 1, k, gen)
-                full_total = restore_s + regen
-                assert query_state(rs) == golden_state(k)
-                rs.close()
-                t = time.monotonic()
-                fresh = Sandbox.create(backend, spec, "bench-b")
-                setup(fresh)
-                regenerate(fresh, 1, k, gen)
-                rebuild = time.monotonic() - t
-                assert query_state(fresh) == golden_state(k)
-                fresh.close()
-                restore_tot.append(full_total)
-                rebuild_tot.append(rebuild)
-                restore_only.append(restore_s)
-                print(f"{k:>4} {at:>6} {restore_s:>10.2f} {regen:>14.2f} {full_total:>21.2f} {rebuild:>16.2f} "
-                      f"{rebuild / full_total:>6.1f}x")
+                    if at is None:
+                        rs = Sandbox.create(backend, spec, "bench-r")
+                        setup(rs)
+                        at = 0
+                    else:
+                        rs = full_restore(cks[at], backend, store, timeout_s=120)
+                    restore_s = time.monotonic() - t
+                    regen = regenerate(rs, at + 1, k, gen)
+                    full_total = restore_s + regen
+                    assert query_state(rs) == golden_state(k)
+                    rs.close()
+                    t = time.monotonic()
+                    fresh = Sandbox.create(backend, spec, "bench-b")
+                    setup(fresh)
+                    regenerate(fresh, 1, k, gen)
+                    rebuild = time.monotonic() - t
+                    assert query_state(fresh) == golden_state(k)
+                    fresh.close()
+                    out["restore_tot"].append(full_total)
+                    out["rebuild_tot"].append(rebuild)
+                    out["restore_only"].append(restore_s)
+                    print(f"{k:>4} {at:>6} {restore_s:>10.2f} {regen:>14.2f} {full_total:>21.2f} {rebuild:>16.2f} "
+                          f"{rebuild / full_total:>6.1f}x")
+            return out
 
         # -- 2. overhead: none vs synchronous every action vs adaptive async -------------------------
         print(f"\n[overhead] rollout of {n} actions, generation {gen_s}s each")
         res = {}
+        adaptive_boundaries: list[int] = []  # where the adaptive policy checkpointed (its first rollout)
         for kind in (("none", "sync_every", "adaptive") if "overhead" in parts else ()):
             runs = [rollout(backend, spec, setup, n, gen, work / f"roll-{kind}-{r}", args.mode, kind,
                             args.failure_prob) for r in range(repeats)]
-            res[kind] = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
+            if kind == "adaptive":
+                adaptive_boundaries = runs[0]["boundaries"]
+            res[kind] = {k: statistics.mean(r[k] for r in runs) for k in runs[0] if k != "boundaries"}
             v = res[kind]
             print(f"  {kind:>10}: rollout {v['total_s']:7.2f}s  checkpoints {v['checkpoints']:5.1f}  "
                   f"checkpoint time {v['checkpoint_s']:6.2f}s  visible wait {v['visible_s']:6.3f}s "
@@ -292,23 +302,42 @@ def main(argv=None) -> int:
         print(f"  sync_every slows the rollout by {100 * (sync['total_s'] - base) / base:.1f}%; adaptive by "
               f"{100 * (ad['total_s'] - base) / base:.1f}%; adaptive hides {hidden_pct:.0f}% of its checkpoint time")
 
+        # -- 1. recovery at several failure points, at two cadences: a checkpoint every 2 actions, and where the
+        # adaptive policy put them in its rollout above (what a user running the policy gets) ----------------
+        if "recovery" in parts and "overhead" not in parts:
+            adaptive_boundaries = rollout(backend, spec, setup, n, gen, work / "roll-cadence", args.mode, "adaptive",
+                                          args.failure_prob)["boundaries"]
+        cadences = {"every 2": set(range(2, n + 1, 2)), "adaptive": set(adaptive_boundaries)}
+        rec_res = {name: recovery(b, name) for name, b in cadences.items()} if "recovery" in parts else {}
+
         # -- 3. side-effect-aware checkpoints: a checkpoint after every action, read-only turns skipped ---
         se = side_effects(backend, spec, setup, n, work / "side-effects", args.mode) if "side_effects" in parts else None
 
         def mean(xs: list) -> float:
             return statistics.mean(xs) if xs else float("nan")
 
+        nanres = {"restore_tot": [], "rebuild_tot": [], "ck_durations": [], "restore_only": []}
+        every2, adaptive = rec_res.get("every 2", nanres), rec_res.get("adaptive", nanres)
+        restore_tot, rebuild_tot = adaptive["restore_tot"], adaptive["rebuild_tot"]
+        ck_durations = every2["ck_durations"] + adaptive["ck_durations"]
+        restore_only = adaptive["restore_only"]
         r_s, b_s = mean(restore_tot), mean(rebuild_tot)
+        r2_s, b2_s = mean(every2["restore_tot"]), mean(every2["rebuild_tot"])
         vis_pct = 100 * ad["visible_s"] / ad["total_s"]
         # What the visible wait does not show: the CPU a "hidden" checkpoint takes from the generation beside it.
         roll_pct = 100 * (ad["total_s"] - base) / base
-        print(f"\ncheckpoint mean {mean(ck_durations):.2f}s, restore alone mean "
+        print(f"\nrecovery ratio rebuild/full_restore with a checkpoint every 2 actions: {b2_s / r2_s:.1f}x; at the "
+              f"adaptive policy's cadence ({len(adaptive_boundaries)} checkpoints in {n} actions): {b_s / r_s:.1f}x")
+        print(f"checkpoint mean {mean(ck_durations):.2f}s, restore alone mean "
               f"{mean(restore_only):.2f}s; recovery ratio rebuild/full_restore = {b_s / r_s:.1f}x "
               f"(goal >= 3.5x); visible overhead {vis_pct:.2f}% (goal <= 1%); rollout slowed by {roll_pct:.1f}% "
               f"with the adaptive policy ({ad['checkpoints']:.1f} checkpoints)")
         extra = (f" side_effect_checkpoints={se['taken']}/{se['boundaries']} ck_time_saved_pct={se['saved_pct']:.1f}"
                  if se else "")
-        print(f"RESULT restore_s={r_s:.3f} rebuild_s={b_s:.3f} ratio={b_s / r_s:.2f} visible_overhead_pct={vis_pct:.3f}"
+        print(f"RESULT restore_s={r_s:.3f} rebuild_s={b_s:.3f} ratio={b_s / r_s:.2f} restore_every2_s={r2_s:.3f} "
+              f"rebuild_every2_s={b2_s:.3f} ratio_every2={b2_s / r2_s:.2f} "
+              f"adaptive_cadence={'+'.join(map(str, sorted(adaptive_boundaries))) or 'none'} "
+              f"visible_overhead_pct={vis_pct:.3f}"
               f" rollout_overhead_pct={roll_pct:.1f} adaptive_checkpoints={ad['checkpoints']:.1f}" + extra)
     finally:
         shutil.rmtree(work, ignore_errors=True)
