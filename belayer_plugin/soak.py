@@ -3,14 +3,19 @@
 envs: scripted trajectories in real sandboxes (Podman and/or Docker) with containers killed at random
 moments (during actions, checkpoints and restores) and published checkpoints corrupted (bit flips or
 truncation); every trial must end with the fault-free final file system, in-memory counter and LLM context,
-never restore a corrupt checkpoint and leave nothing running (belayer_plugin.sandbox.scripted.run_trial).
+never restore a corrupt checkpoint and leave nothing running (belayer_plugin.sandbox.scripted.run_trial). A trial
+counts only with a kill delivered, and with CRIU working some recovery must come from a CRIU restore
+(scripted.campaign_violations): a rebuild from the image with replay reaches the same state.
 
 engines: a fleet of CPU engines with a standby behind the front, under concurrent load (streaming and plain,
 greedy and sampled); each round's requests are first run fault-free (the golden ids), then again while one
 engine is SIGKILLed, SIGSTOPped (hang) or loses its Ray actor, at a random token position of a random request
-or between requests, while the fleet is paused with memory released, or during a refit. Every request must complete with the golden ids (0 lost, 0 inconsistent), and engines
-that lived through the round must have generated exactly the tokens the requests committed on them
-(0 regenerated).
+or between requests, while the fleet is paused with memory released (the requests go out as soon as it
+resumes, not once the victim is replaced), or during a refit to weights whose ids differ (requests sent while
+it runs and after it; their golden ids computed on the fault-free fleet first). Every request must complete
+with the golden ids of its weights (0 lost, 0 inconsistent), and every engine that served the round (survivors,
+a promoted standby, an engine that came up in it) must have generated exactly the tokens the requests committed
+on it (0 regenerated).
 
 Writes soak.json (the figures and every violation) and soak.png; prints a live progress bar.
 """
@@ -42,12 +47,18 @@ def _bar(total: int, desc: str, enabled: bool) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ sandboxes
+ENV_ATTEMPTS_PER_TRIAL = 2  # seeds tried per trial asked for: a trial counts only with a kill delivered
+
+
 def run_env_campaign(trials: int, seed: int = 0, duration_s: float = 0.0, backend: str = "both",
                      n_actions: int = 5, mode: str = "full", corrupt_prob: float = 0.2,
                      progress: bool = True, cache_dir: Optional[str] = None) -> dict:
-    """Runs up to `trials` sandbox trials (or until `duration_s` passes, when > 0); returns the summary."""
+    """Runs sandbox trials until `trials` of them had a kill delivered (at most ENV_ATTEMPTS_PER_TRIAL x
+    `trials` seeds; or until `duration_s` passes, when > 0); returns the summary. Fewer delivered trials than
+    asked, or no CRIU restore where one was possible, fail the campaign (scripted.campaign_violations)."""
     from belayer_plugin.envs.build import ensure_image
-    from belayer_plugin.sandbox.scripted import run_trial
+    from belayer_plugin.sandbox.criu import criu_problem
+    from belayer_plugin.sandbox.scripted import RECOVERY_KINDS, campaign_violations, run_trial
 
     backends: list[Any] = []
     daemon = None
@@ -65,35 +76,50 @@ def run_env_campaign(trials: int, seed: int = 0, duration_s: float = 0.0, backen
     by_backend: Counter = Counter()
     failures: list[dict] = []
     durations: list[float] = []
+    results: list[Any] = []
     t0 = time.monotonic()
     bar = _bar(trials, "envs", progress)
     done = 0
+    timed_out = False
     try:
         images = {b.name: ensure_image(b, "busybox", Path(cache_dir) / "envs" if cache_dir else None) for b in backends}
-        for i in range(trials):
+        for i in range(trials * ENV_ATTEMPTS_PER_TRIAL):
+            if done >= trials:
+                break
             if duration_s and time.monotonic() - t0 > duration_s:
+                timed_out = True
                 break
             be = backends[i % len(backends)]
             s = seed + i
             d = work / str(s)
+            delivered = True
             try:
                 r = run_trial(be, images[be.name], s, d, n_actions=n_actions, mode=mode, corrupt_prob=corrupt_prob)
+                results.append(r)
                 v = r.violations
+                delivered = r.delivered
                 durations.append(r.duration_s)
                 stats["recoveries"] += r.recoveries
                 stats["kills_planned"] += r.faults_planned
                 stats["kills_delivered"] += r.faults_fired
+                stats["kills_missed"] += r.missed
                 for ph in r.fired_phases:
                     stats[f"killed_during_{ph}"] += 1
                 stats["corrupted"] += int(r.corrupted is not None)
                 stats["corrupt_detected"] += int(any(e.get("kind") == "checkpoint_corrupt" for e in r.events))
                 stats["restore_failures"] += sum(1 for e in r.events if e.get("kind") == "restore_failed")
                 stats["checkpoint_failures"] += sum(1 for e in r.events if e.get("kind") == "checkpoint_failed")
-                stats["rebuilt_from_image"] += sum(1 for e in r.events if e.get("kind") == "rollback"
-                                                   and e.get("from_base_image"))
+                for k in RECOVERY_KINDS:  # which checkpoint each recovery came from
+                    stats[f"recovered_by_{k}"] += r.recovered_by.get(k, 0)
+                stats["recoveries_after_criu_checkpoint"] += r.criu_restorable
+                stats["rebuilt_from_image"] = stats["recovered_by_rebuild_replay"]
             except Exception as e:  # a crash of the harness is a violation too
                 v = [f"trial raised {type(e).__name__}: {e}"]
             shutil.rmtree(d, ignore_errors=True)
+            if not delivered:  # it tested no recovery: not a trial, but counted and reported
+                stats["undelivered_trials"] += 1
+                if not v:
+                    continue
             done += 1
             by_backend[be.name] += 1
             if v:
@@ -106,9 +132,15 @@ def run_env_campaign(trials: int, seed: int = 0, duration_s: float = 0.0, backen
         if daemon is not None:
             daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
+    criu_available = criu_problem("") is None
+    campaign = campaign_violations(results, criu_available, mode, None if timed_out else trials)
+    if campaign:
+        failures.append({"backend": backend, "seed": None, "violations": campaign})
     return {"campaign": "envs", "trials": done, "seed": seed, "backends": dict(by_backend), "actions": n_actions,
-            "mode": mode, "violations": sum(len(f["violations"]) for f in failures),
-            "inconsistent_trials": len(failures), "failures": failures[:50], "stats": dict(stats),
+            "mode": mode, "criu_available": criu_available,
+            "violations": sum(len(f["violations"]) for f in failures),
+            "inconsistent_trials": sum(1 for f in failures if f["seed"] is not None), "failures": failures[:50],
+            "stats": dict(stats),
             "trial_s": {"mean": round(sum(durations) / len(durations), 3) if durations else None,
                         "max": round(max(durations), 3) if durations else None},
             "duration_s": round(time.monotonic() - t0, 1)}
@@ -143,25 +175,58 @@ async def _send(client: Any, url: str, req: dict, timeout: float) -> dict:
 
 
 async def _counters(client: Any, fm: Any) -> dict[str, int]:
+    """Each serving engine's and ready standby's own count of generated tokens (/get_server_info), by URL:
+    a standby promoted in the round is then judged from its value before it, not from nothing."""
     from belayer_plugin.generation.sglang_http import get_json
 
+    urls = [s.info.url for s in fm.serving_slots()]
+    if fm.shadows is not None:
+        urls += [sh.info.url for sh in fm.shadows.ready]
     out = {}
-    for s in fm.serving_slots():
+    for url in urls:
         try:
-            out[s.info.url] = (await get_json(client, s.info.url, "/get_server_info", 5))["belayer_counters"].get(
+            out[url] = (await get_json(client, url, "/get_server_info", 5))["belayer_counters"].get(
                 "generated_tokens", 0)
         except Exception:
             pass  # dying: not a survivor
     return out
 
 
+def regenerated(base: dict[str, int], after: dict[str, int], committed: dict[str, int],
+                victim_url: Optional[str]) -> list[tuple[str, int, int]]:
+    """(url, generated in the round, committed there) of every engine that served the round and generated
+    other than the tokens the requests committed on it: the survivors, a promoted standby (from its count
+    before the round) and an engine that came up in the round (from 0: a restart, a standby built meanwhile).
+    The victim is left out: it died with tokens no request committed."""
+    out = []
+    for url, n in after.items():
+        if url == victim_url:
+            continue
+        made = n - base.get(url, 0)
+        if made != committed.get(url, 0):
+            out.append((url, made, committed.get(url, 0)))
+    return out
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 async def _engine_campaign(cfg: Any, run_dir: Path, faults: int, seed: int, duration_s: float, concurrency: int,
-                           tokens: int, progress: bool) -> dict:
+                           tokens: int, progress: bool, phases: tuple[str, ...] = ENGINE_PHASES,
+                           in_turn: bool = False) -> dict:
     import httpx
 
+    from belayer_plugin.engines.tiny_model import perturbed_copy
     from belayer_plugin.events import EventLog
     from belayer_plugin.fleet.manager import FleetManager
     from belayer_plugin.generation.front import GenerationFront
+    from belayer_plugin.generation.resume_policy import segment_seed
     from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator
     from belayer_plugin.ray_cluster import init_ray
 
@@ -180,17 +245,34 @@ async def _engine_campaign(cfg: Any, run_dir: Path, faults: int, seed: int, dura
     bar = _bar(faults, "engines", progress)
     n_req = 0
     timeout = cfg.recovery.request_timeout_s
+    model = fm.model_path
+    cur_path = model  # the weights the fleet serves: refit rounds move it to a perturbed copy
+    wdir = run_dir / "weights"
     try:
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as client:
             for r in range(faults):
                 if duration_s and time.monotonic() - t0 > duration_s:
                     break
-                kind, phase = ENGINE_FAULTS[r % len(ENGINE_FAULTS)], rng.choice(ENGINE_PHASES)  # every kind, in turn
+                kind = ENGINE_FAULTS[r % len(ENGINE_FAULTS)]  # every kind, in turn
+                phase = phases[r % len(phases)] if in_turn else rng.choice(phases)
                 reqs = [_request(rng, n_req + i, tokens) for i in range(concurrency)]
                 n_req += len(reqs)
                 golden = await asyncio.gather(*(_send(client, front.url, q, timeout) for q in reqs))
                 victim_req, at = rng.randrange(len(reqs)), rng.randint(1, tokens - 1)
                 fired: dict = {}
+                bad: list[str] = []
+                golden_new: Optional[list] = None
+                if phase == "refit":
+                    # Weights whose ids differ, their golden ids computed on the fault-free fleet, which then
+                    # goes back to the current weights: the faulty refit below must show the new ids.
+                    new_path = perturbed_copy(model, wdir / f"r{r}", seed=seed * 100_003 + r)
+                    await fm.refit(new_path, f"soak-r{r}-golden")
+                    golden_new = await asyncio.gather(*(_send(client, front.url, q, timeout) for q in reqs))
+                    await fm.refit(cur_path, f"soak-r{r}-back")
+                    if all(a["output_ids"] == b["output_ids"] for a, b in zip(golden, golden_new)):
+                        bad.append(f"round {r}'s new weights give the same ids as the current ones")
+                    else:
+                        stats["refits_to_distinct_weights"] += 1
 
                 def fire(slot_id: str, why: str) -> None:
                     slot = fm.slots[slot_id]
@@ -209,31 +291,43 @@ async def _engine_campaign(cfg: Any, run_dir: Path, faults: int, seed: int, dura
                     if not fired and clog.rid == reqs[victim_req]["rid"] and clog.committed >= at:
                         fire(seg.engine, f"token {clog.committed} of {clog.rid}")
 
+                sent_at: list[float] = []
+
+                def send_all() -> Any:
+                    sent_at.append(time.time())
+                    return asyncio.gather(*(_send(client, front.url, q, timeout) for q in reqs),
+                                          return_exceptions=True)
+
                 base = await _counters(client, fm)
                 victim_slot = rng.choice(sorted(s.slot_id for s in fm.serving_slots()))
+                during: list = []  # refit: the requests sent while the refit with the fault ran
                 if phase == "idle":
                     fire(victim_slot, "between requests")
                 elif phase == "paused":  # the trainer's phase: engines paused with memory released
                     await fm.pause(release_memory=True)
                     fire(victim_slot, "while paused, memory released")
-                    await fm.recover_dead(timeout)
+                    # Not waiting for recover_dead: the requests go out at once and meet the slot recovering
+                    # (held, or served by the others).
                     await fm.resume()
-                elif phase == "refit":  # mid-refit (to the same weights under a new version: same golden ids)
+                elif phase == "refit":  # mid-refit, to the weights whose golden ids were computed above
                     t_mark = time.time()
-                    refit = asyncio.create_task(fm.refit(fm.model_path, f"soak-r{r}"))
+                    refit = asyncio.create_task(fm.refit(new_path, f"soak-r{r}"))
                     await events.wait_for(lambda e: e.kind == "refit_begin", timeout=60, since=t_mark)
                     fire(victim_slot, "during a refit")
-                    await refit
+                    during = await send_all()
+                    try:
+                        await refit
+                    except Exception as e:  # noqa: BLE001  (a failed refit is a violation, never hidden)
+                        bad.append(f"the refit with the fault failed: {type(e).__name__}: {e}"[:300])
+                    cur_path = new_path
                 else:
                     gen.observers.append(at_token)
                 try:
-                    outs = await asyncio.gather(*(_send(client, front.url, q, timeout) for q in reqs),
-                                                return_exceptions=True)
+                    outs = await send_all()
                 finally:
                     if at_token in gen.observers:
                         gen.observers.remove(at_token)
                 after = await _counters(client, fm)
-                bad: list[str] = []
                 if not fired:
                     stats["faults_missed"] += 1
                     bad.append(f"the {kind} at {phase} was never delivered (request ended before token {at}?)")
@@ -241,33 +335,71 @@ async def _engine_campaign(cfg: Any, run_dir: Path, faults: int, seed: int, dura
                     stats["faults_delivered"] += 1
                     stats[f"{kind}@{phase}"] += 1
                 per_url: Counter = Counter()
-                for q, g, o in zip(reqs, golden, outs):
+                straddled: list[tuple[dict, list[int], int]] = []
+
+                def tally(q: dict, o: Any, want: list[list[int]]) -> Optional[list[int]]:
+                    """Counts one answer; returns its ids when they equal none of `want` (checked by the caller)."""
                     stats["requests"] += 1
                     stats["streaming" if q["stream"] else "plain"] += 1
                     stats["sampled" if q["sampling_params"]["temperature"] > 0 else "greedy"] += 1
                     if isinstance(o, BaseException):
                         stats["lost"] += 1
                         bad.append(f"{q['rid']} lost: {type(o).__name__}: {str(o)[:200]}")
-                        continue
+                        return None
                     stats["completed"] += 1
-                    if o["output_ids"] != g["output_ids"] or o["meta_info"]["id"] != q["rid"]:
-                        stats["inconsistent"] += 1
-                        bad.append(f"{q['rid']} differs from its fault-free run")
                     segs = o["meta_info"]["belayer"]["segments"]
                     stats["resumed"] += max(0, len(segs) - 1)
                     for sg in segs:
                         per_url[sg["url"]] += sg["end"] - sg["start"]
-                for url, n in after.items():  # engines that lived through the round
-                    if url in base and url != fired.get("url"):
-                        extra = (n - base[url]) - per_url.get(url, 0)
-                        if extra:
-                            stats["regenerated_tokens"] += abs(extra)
-                            bad.append(f"{url} generated {n - base[url]} tokens, requests committed {per_url.get(url, 0)}")
+                    if o["meta_info"]["id"] != q["rid"]:
+                        stats["inconsistent"] += 1
+                        bad.append(f"{q['rid']} answered as {o['meta_info']['id']}")
+                        return None
+                    return None if o["output_ids"] in want else o["output_ids"]
+
+                for q, g, gn, d in zip(reqs, golden, golden_new or golden, during or [None] * len(reqs)):
+                    if d is not None:  # sent mid-refit: the old weights', the new ones', or old then new
+                        ids = tally(q, d, [g["output_ids"], gn["output_ids"]])
+                        if ids is not None:
+                            straddled.append((q, ids, _lcp(ids, g["output_ids"])))
+                for q, g, gn, o in zip(reqs, golden, golden_new or golden, outs):
+                    if golden_new is not None and not isinstance(o, BaseException):
+                        stats["checked_at_new_weights"] += 1
+                    if tally(q, o, [gn["output_ids"]]) is not None:  # after a refit: the new version's ids
+                        stats["inconsistent"] += 1
+                        bad.append(f"{q['rid']} differs from its fault-free run"
+                                   + (" at the new weights" if golden_new is not None else ""))
+                stats["engines_counted_new"] += sum(1 for u in after if u not in base)
+                for url, made, committed in regenerated(base, after, per_url, fired.get("url")):
+                    stats["regenerated_tokens"] += abs(made - committed)
+                    bad.append(f"{url} generated {made} tokens in the round, requests committed {committed}")
+                # A request that met the refit: its first k ids are the old weights' golden ids, the rest what
+                # the new weights continue from them (asked of the fleet, now at the new weights only).
+                for q, ids, k in straddled:
+                    sp = dict(q["sampling_params"], max_new_tokens=len(ids) - k)
+                    if "sampling_seed" in sp:
+                        sp["sampling_seed"] = segment_seed(sp["sampling_seed"], k, gen.seed_per_position)
+                    cont = {"input_ids": q["input_ids"] + ids[:k], "sampling_params": sp, "stream": False,
+                            "rid": f"{q['rid']}-cont"}
+                    try:
+                        rest = (await _send(client, front.url, cont, timeout))["output_ids"]
+                    except Exception as e:  # noqa: BLE001
+                        rest = [f"{type(e).__name__}"]
+                    if k == 0 or rest != ids[k:]:
+                        stats["inconsistent"] += 1
+                        bad.append(f"{q['rid']} (sent mid-refit) equals neither version's ids nor old-then-new "
+                                   f"(first {k} ids the old version's)")
+                    else:
+                        stats["straddled_refit"] += 1
                 if fired:
                     # the round ends when the victim's slot serves again and the standby pool is refilled
+                    n_rec = len(recover_s)
                     why = await _full_strength(fm, cfg, events, fired["slot"], fired["t"], recover_s)
                     if why:
                         bad.append(why)
+                    elif len(recover_s) > n_rec and min(sent_at) < fired["t"] + recover_s[-1]:
+                        # the requests went out before the victim's slot was replaced: they met the recovery
+                        stats[f"met_recovery@{phase}"] += 1
                 if bad:
                     failures.append({"round": r, "fault": kind, "phase": phase, "at": at, "violations": bad})
                 bar.update(1)
@@ -315,8 +447,13 @@ def _dist(xs: list[float]) -> dict:
 
 def run_engine_campaign(faults: int, seed: int = 0, duration_s: float = 0.0, concurrency: int = 6, tokens: int = 48,
                         overrides: Optional[list[str]] = None, progress: bool = True,
-                        run_dir: Optional[Path] = None) -> dict:
-    """Runs up to `faults` engine fault rounds under load (or until `duration_s` passes); returns the summary."""
+                        run_dir: Optional[Path] = None, phases: tuple[str, ...] = ENGINE_PHASES,
+                        in_turn: bool = False) -> dict:
+    """Runs up to `faults` engine fault rounds under load (or until `duration_s` passes), each in a phase drawn
+    from `phases` (in turn with `in_turn`, else at random); fault kinds go in turn. Returns the summary."""
+    bad = [p for p in phases if p not in ENGINE_PHASES]
+    if bad or not phases:
+        raise ValueError(f"phases must be among {ENGINE_PHASES}, got {list(phases)}")
     from belayer_plugin.config import load_belayer_config
 
     cfg, _ = load_belayer_config("demo", ["belayer.chaos.enabled=false", "belayer.monitor.probe_interval_s=0.2",
@@ -328,7 +465,8 @@ def run_engine_campaign(faults: int, seed: int = 0, duration_s: float = 0.0, con
                                           *(overrides or [])])
     rd = run_dir or Path(tempfile.mkdtemp(prefix="belayer-soak-engines-"))
     rd.mkdir(parents=True, exist_ok=True)
-    return asyncio.run(_engine_campaign(cfg, rd, faults, seed, duration_s, concurrency, tokens, progress))
+    return asyncio.run(_engine_campaign(cfg, rd, faults, seed, duration_s, concurrency, tokens, progress,
+                                        tuple(phases), in_turn))
 
 
 # ------------------------------------------------------------------------------------------ burst
@@ -353,12 +491,32 @@ def _ev(kind: str, subject: Optional[str] = None) -> Any:
     return lambda e: e.kind == kind and (subject is None or e.subject == subject)
 
 
+async def _ready_standby(fm: Any, timeout: float) -> Any:
+    """A ready standby of the pool, awaited up to `timeout` s (its next shadow_ready); None without one."""
+    if fm.shadows is None:
+        return None
+    deadline = time.monotonic() + timeout
+    while not fm.shadows.ready:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        t = time.time()
+        if fm.shadows.ready:
+            break
+        try:
+            await fm.events.wait_for(_ev("shadow_ready"), left, since=t)
+        except TimeoutError:
+            return None
+    return fm.shadows.ready[0]
+
+
 async def burst_round(fm: Any, gen: Any, prompts: list[list[int]], tokens: int, concurrency: int,
                       golden: list[list[int]]) -> dict:
     """One burst of mixed faults on a running fleet with a standby per slot, under `concurrency` clients
     streaming greedy requests: a server SIGKILL of engine-0, again once its slot serves (same slot, inside
     the window), a hang (SIGSTOP) of engine-1 once engine-0 serves again, an actor SIGKILL of engine-1, and a
-    SIGKILL of a ready standby; each fired while the victim serves requests. Returns the figures and every
+    SIGKILL of a ready standby (awaited, bounded; a fault not fired is a violation); each fired while the
+    victim serves requests. Returns the figures and every
     violation (lost or changed requests, fleet or pool not back to full strength, a node excluded)."""
     events, cfg = fm.events, fm.cfg
     grace = cfg.engines.startup_timeout_s + 60
@@ -375,6 +533,7 @@ async def burst_round(fm: Any, gen: Any, prompts: list[list[int]], tokens: int, 
     lost: list[str] = []
     lost_above_floor: list[str] = []  # lost while the fleet was not below its floor: never allowed
     faults: list[dict] = []
+    skipped: list[str] = []  # faults of the sequence that could not be fired: violations
     t0 = time.time()
     floor = max(1, cfg.restart.min_healthy_engines)
 
@@ -423,8 +582,12 @@ async def burst_round(fm: Any, gen: Any, prompts: list[list[int]], tokens: int, 
             t = await fire(BURST_FAULTS[3], "engine-1", fm.slots["engine-1"].info.actor_pid, signal.SIGKILL,
                            group=False)
             await events.wait_for(_ev("detected", "engine-1"), 60, since=t)
-            if fm.shadows is not None and fm.shadows.ready:
-                sh = fm.shadows.ready[0]
+            # The standby kill waits (bounded) for a ready standby: skipping it would pass a burst of four.
+            sh = await _ready_standby(fm, grace)
+            if sh is None:
+                skipped.append(f"the {BURST_FAULTS[4]} was not fired: no standby was ready within {grace:g} s "
+                               f"of the actor kill")
+            else:
                 faults.append({"kind": BURST_FAULTS[4], "slot": sh.sid, "t": time.time()})
                 os.killpg(sh.info.pid, signal.SIGKILL)
         finally:
@@ -434,7 +597,7 @@ async def burst_round(fm: Any, gen: Any, prompts: list[list[int]], tokens: int, 
         outs = await asyncio.gather(chaos(), *(worker(i) for i in range(concurrency)), return_exceptions=True)
     finally:
         gen.observers.remove(progress)
-    bad = list(lost)
+    bad = list(lost) + skipped
     if lost_above_floor:
         bad.append(f"{len(lost_above_floor)} request(s) lost while the fleet was above its floor "
                    f"(restart.min_healthy_engines={cfg.restart.min_healthy_engines})")
@@ -565,8 +728,9 @@ def summary_png(summary: dict, path: Path) -> None:
         s = summary[c]
         st = s.get("stats", {})
         if c == "envs":
-            keys = [k for k in sorted(st) if k.startswith("killed_during_")] + ["corrupted", "corrupt_detected",
-                                                                                 "recoveries", "rebuilt_from_image"]
+            keys = [k for k in sorted(st) if k.startswith("killed_during_")] + [
+                "corrupted", "corrupt_detected", "recoveries", "recovered_by_criu_full", "recovered_by_fs_only",
+                "recovered_by_rebuild_replay", "undelivered_trials"]
             title = f"sandboxes: {s['trials']} trials, {s['violations']} violations"
         else:
             keys = [k for k in sorted(st) if "@" in k] + ["resumed", "faults_missed"]
@@ -599,6 +763,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--mode", choices=["full", "fs_only"], default="full")
     ap.add_argument("--concurrency", type=int, default=6, help="concurrent requests per engine round")
     ap.add_argument("--tokens", type=int, default=48, help="tokens per request")
+    ap.add_argument("--phases", default="",
+                    help=f"engines: the phases of the rounds, in turn, comma-separated (default: drawn at random "
+                         f"from {','.join(ENGINE_PHASES)})")
     ap.add_argument("--out", default="", help="directory for soak.json and soak.png (default: a new temp dir)")
     ap.add_argument("--burst", action="store_true",
                     help="engines: bursts of mixed faults (server kills, a hang, an actor kill, a standby kill) "
@@ -619,7 +786,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                 progress=not a.no_progress, run_dir=out / "engines")
     elif a.campaign in ("engines", "all"):
         summary["engines"] = run_engine_campaign(a.trials or 200, a.seed, a.duration, a.concurrency, a.tokens,
-                                                 a.overrides, progress=not a.no_progress, run_dir=out / "engines")
+                                                 a.overrides, progress=not a.no_progress, run_dir=out / "engines",
+                                                 phases=tuple(a.phases.split(",")) if a.phases else ENGINE_PHASES,
+                                                 in_turn=bool(a.phases))
     (out / "soak.json").write_text(json.dumps(summary, indent=2, default=str))
     try:
         summary_png(summary, out / "soak.png")
@@ -631,8 +800,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             s = summary[c]
             bad += s["violations"]
             if c == "envs":
+                st = s["stats"]
                 print(f"RESULT envs trials={s['trials']} violations={s['violations']} "
-                      f"kills_delivered={s['stats'].get('kills_delivered', 0)}")
+                      f"kills_delivered={st.get('kills_delivered', 0)} "
+                      f"undelivered_trials={st.get('undelivered_trials', 0)} recovered_by "
+                      f"criu={st.get('recovered_by_criu_full', 0)} fs_only={st.get('recovered_by_fs_only', 0)} "
+                      f"rebuild={st.get('recovered_by_rebuild_replay', 0)}")
             else:
                 above = f"lost_above_floor={s['lost_above_floor']} " if "lost_above_floor" in s else ""
                 bad += s.get("lost_above_floor", 0)  # a burst campaign fails on any, whatever else it counts

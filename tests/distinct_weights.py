@@ -4,30 +4,13 @@ checks that the engines' greedy ids changed with it."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import httpx
 
+from belayer_plugin.engines.tiny_model import perturbed_copy  # noqa: F401  (the tests' import)
 from belayer_plugin.generation.sglang_http import generate
 
 PROBE = [54, 280, 487, 423, 442]
 PROBE_SP = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
-
-
-def perturbed_copy(model: str, dest: Path, seed: int, scale: float = 0.3) -> str:
-    """The tiny model with other weights (Gaussian noise of `scale` added with `seed`): what a training step
-    makes. Distinct seeds give distinct weights; the caller checks their greedy ids differ (greedy_ids)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    dest = Path(dest)
-    shutil.copytree(model, dest)
-    sd = load_file(str(dest / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    save_file({k: v + scale * torch.randn(v.shape, generator=g) for k, v in sd.items()},
-              str(dest / "model.safetensors"))
-    return str(dest)
 
 
 async def greedy_ids(url: str, prompt: list[int] = PROBE) -> list[int]:

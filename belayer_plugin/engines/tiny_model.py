@@ -136,3 +136,21 @@ def ensure_tiny(path: str | Path) -> Path:
 
             shutil.rmtree(tmp, ignore_errors=True)
     return p
+
+
+def perturbed_copy(model: str | Path, dest: str | Path, seed: int, scale: float = 0.3) -> str:
+    """A copy of `model` at `dest` with other weights (Gaussian noise of `scale` added with `seed`), as a
+    training step makes: same architecture and tokenizer. Distinct seeds give distinct weights; callers check
+    that their greedy ids differ (a refit judged by its label alone proves nothing)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dest = Path(dest)
+    shutil.copytree(model, dest)
+    sd = load_file(str(dest / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    save_file({k: v + scale * torch.randn(v.shape, generator=g) for k, v in sd.items()},
+              str(dest / "model.safetensors"))
+    return str(dest)

@@ -15,6 +15,7 @@ import random
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -229,6 +230,88 @@ class TrialResult:
     duration_s: float
     events: list[dict] = field(default_factory=list)
     fired_phases: list[str] = field(default_factory=list)  # phases in which a kill actually fired
+    missed: int = 0  # planned kills that came due with nothing running to kill
+
+    @property
+    def delivered(self) -> bool:
+        """Whether a kill reached a running container: a trial without one tested no recovery."""
+        return self.faults_fired > 0
+
+    @property
+    def recovered_by(self) -> dict[str, int]:
+        """How many recoveries came from which kind of checkpoint (see recovery_kinds)."""
+        return dict(recovery_kinds(self.events))
+
+    @property
+    def criu_restorable(self) -> int:
+        """Recoveries that began with a CRIU (full) checkpoint published in this trial: a CRIU restore was
+        possible for them."""
+        return recoveries_after_full_checkpoint(self.events)
+
+
+RECOVERY_KINDS = ("criu_full", "fs_only", "rebuild_replay")
+
+
+def recovery_kinds(events: list[dict]) -> Counter:
+    """Each rollback's source, from the events in order: a CRIU restore the runtime reported
+    (`runtime_restored_id`), a file-system-only restore, or a rebuild from the base image (then replay)."""
+    out: Counter = Counter()
+    restored: dict[str, dict] = {}
+    for e in events:
+        if e.get("kind") == "restore":
+            restored[e.get("checkpoint")] = e
+        elif e.get("kind") == "rollback":
+            r = restored.get(e.get("checkpoint")) if not e.get("from_base_image") else None
+            if r is None:
+                out["rebuild_replay"] += 1
+            elif r.get("mode") == "full" and r.get("runtime_restored_id"):
+                out["criu_full"] += 1
+            else:
+                out["fs_only"] += 1
+    return out
+
+
+def recoveries_after_full_checkpoint(events: list[dict]) -> int:
+    """Rollbacks that came after a CRIU checkpoint of the trial was published."""
+    seen_full, n = False, 0
+    for e in events:
+        if e.get("kind") == "checkpoint" and e.get("mode") == "full":
+            seen_full = True
+        elif e.get("kind") == "rollback" and seen_full:
+            n += 1
+    return n
+
+
+def context_violations(boundaries: list[Any], n_actions: int) -> list[str]:
+    """The LLM context the recorder holds at the end of a trial against the sandbox's committed actions:
+    boundaries 0..n_actions in order, each with the context of exactly its actions (prefix-consistent)."""
+    idx = [b.index for b in boundaries]
+    if idx != list(range(n_actions + 1)):
+        return [f"context boundaries at the end are {idx}, not 0..{n_actions}"]
+    bad = [b.index for b in boundaries if b.token_ids != tokens(b.index) or b.messages != messages(b.index)]
+    return [f"context at the end differs from the committed actions at boundaries {bad}"] if bad else []
+
+
+def campaign_violations(results: list["TrialResult"], criu_available: bool, mode: str,
+                        wanted: Optional[int] = None) -> list[str]:
+    """What fails a campaign beyond its trials' own violations: fewer trials with a kill delivered than
+    `wanted` (or, without a target, more undelivered than delivered), and, with CRIU available and full
+    checkpoints asked for, no CRIU restore among the recoveries that could have used one (a rebuild from the
+    image with replay converges to the same state, so state alone cannot tell)."""
+    out = []
+    delivered = [r for r in results if r.delivered]
+    undelivered = len(results) - len(delivered)
+    if wanted is not None and len(delivered) < wanted:
+        out.append(f"only {len(delivered)} of {wanted} trials had a kill delivered ({undelivered} undelivered)")
+    elif wanted is None and undelivered > len(delivered):
+        out.append(f"{undelivered} trials had no kill delivered, {len(delivered)} had one")
+    if criu_available and mode in ("full", "auto"):
+        restorable = sum(r.criu_restorable for r in delivered)
+        criu = sum(r.recovered_by.get("criu_full", 0) for r in delivered)
+        if restorable and not criu:
+            out.append(f"no recovery came from a CRIU restore ({restorable} came after a CRIU checkpoint; "
+                       f"by kind: {dict(sum((Counter(r.recovered_by) for r in delivered), Counter()))})")
+    return out
 
 
 def plan_faults(rng: random.Random, n_actions: int, ck_s: float = 0.5) -> list[Fault]:
@@ -340,6 +423,8 @@ def run_trial(backend: Backend, image: str, seed: int, store_root: str | Path, n
                     violations.append(f"rolled forward: {rb.boundary} > failed {rb.failed_boundary}")
         if final is not None and final != golden_state(n_actions):
             violations.append(f"final state differs from golden:\n{final!r}\n!=\n{golden_state(n_actions)!r}")
+        if final is not None:  # the LLM context at the end, not only at each rollback
+            violations.extend(context_violations(rec.boundaries, n_actions))
         tdir = Path(store_root) / "ck" / tid
         if tdir.is_dir():
             partial = [p.name for p in tdir.iterdir() if p.name.startswith(".staging-")]
@@ -362,4 +447,4 @@ def run_trial(backend: Backend, image: str, seed: int, store_root: str | Path, n
                 violations.append(f"processes of container {ref[:12]} still running after the trial")
     n_rb = sum(1 for e in events if e.get("kind") == "rollback")
     return TrialResult(seed, violations, n_rb, len(fb.faults), len(fb.fired), corrupted, time.monotonic() - t0, events,
-                       [f.phase for f in fb.fired])
+                       [f.phase for f in fb.fired], len(fb.missed))
