@@ -4,9 +4,11 @@
    resume (ResumableGenerator over the fleet) vs sglang-router with retries on (its default: it re-runs the
    request from token 0 on another worker). Timed as kill -> finish (what the fault costs: the figure a
    user feels) and submit -> finish, --repeats times each (medians and spread), the fault-free time
-   printed. Tokens regenerated are counted from the surviving engines' own counters (generated_tokens):
-   everything they generated for the request beyond the tokens it still lacked at the kill. The killed
-   engine is restarted cold in both arms (no standby), competing for the same cores.
+   printed. Both arms kill at the same point, read from the engine's own counter (generated_tokens reaching
+   int(N * fraction)), not from the client's commits. Tokens regenerated are counted from the engines' own
+   counters, the same way in both arms and never floored: the victim's count at the kill plus what the
+   survivors generated for the request, minus the N tokens it needed. The killed engine is restarted cold in
+   both arms (no standby), competing for the same cores.
 2. Failure-free throughput of 16 concurrent requests through Belayer's /generate front vs straight to the
    router, in interleaved pairs of rounds (the order alternates): the median of the pairs' overheads.
    Twice: streaming clients (front_overhead_pct: the engines stream a chunk per token on both paths) and
@@ -105,46 +107,63 @@ async def router_retry(fm: FleetManager, n: int, frac: float) -> tuple[float, fl
         rid = f"retry-{time.time()}"
         task = asyncio.create_task(generate(c, fm.url, {"input_ids": PROMPT, "sampling_params": sp, "rid": rid}, 600))
         slot = await _engine_running(c, fm, rid)
-        # the kill point in tokens, read from the engine's own counter (only this request runs on it)
-        want = before.get(slot.info.url, 0) + int(n * frac)
-        while not task.done():
-            info = await get_json(c, slot.info.url, "/get_server_info", 5)
-            if int(info.get("belayer_counters", {}).get("generated_tokens", 0)) >= want:
-                break
-            await asyncio.sleep(0.002)  # a counter has no event to await; the request's end bounds this
-        if task.done():
-            raise TrialMissed("the request finished before the kill point")
-        t_kill, victim, wall = time.monotonic(), slot.info.url, time.time()
-        os.kill(slot.info.pid, signal.SIGKILL)
+        victim, at_kill, t_kill, wall = await _kill_at_engine_count(c, fm, slot, before, n, frac, task)
         out = await task
         t_end = time.monotonic()
         # the fleet must have seen the death before the next trial waits for a full fleet
         await fm.events.wait_for(lambda e: e.kind == "detected" and e.subject == slot.slot_id, 60, since=wall)
     assert len(out["output_ids"]) == n
-    # it lacked about n * (1 - frac) tokens at the kill (a few more may have been generated meanwhile)
-    regen = generated_since(before, await counters(fm), victim) - round(n * (1 - frac))
-    return t_end - t0, t_end - t_kill, max(0, regen)
+    return t_end - t0, t_end - t_kill, _regenerated(before, await counters(fm), victim, at_kill, n)
+
+
+async def _kill_at_engine_count(c: httpx.AsyncClient, fm: FleetManager, slot, before: dict[str, int], n: int,
+                                frac: float, task: asyncio.Task) -> tuple[str, int, float, float]:
+    """SIGKILLs `slot`'s engine once its own generated_tokens counter shows int(n * frac) tokens of the one
+    request it runs (the same kill point in both arms). Returns (its URL, its count at the kill, monotonic and
+    wall time of the kill)."""
+    want = before.get(slot.info.url, 0) + int(n * frac)
+    count = before.get(slot.info.url, 0)
+    while not task.done():
+        info = await get_json(c, slot.info.url, "/get_server_info", 5)
+        count = int(info.get("belayer_counters", {}).get("generated_tokens", 0))
+        if count >= want:
+            break
+        await asyncio.sleep(0.002)  # a counter has no event to await; the request's end bounds this
+    if task.done():
+        raise TrialMissed("the request finished before the kill point")
+    t_kill, wall = time.monotonic(), time.time()
+    os.kill(slot.info.pid, signal.SIGKILL)
+    return slot.info.url, count - before.get(slot.info.url, 0), t_kill, wall
+
+
+def _regenerated(before: dict[str, int], after: dict[str, int], victim: str, at_kill: int, n: int) -> int:
+    """Tokens generated more than once, from the engines' own counters: everything the engines generated for
+    the request (the victim's count at the kill, a lower bound by the few tokens it may have decoded between
+    that reading and the signal, plus the survivors') minus the n tokens it needed. Not floored: a negative
+    value would say the counters and the request disagree."""
+    return at_kill + generated_since(before, after, victim) - n
 
 
 async def token_resume(fm: FleetManager, gen: ResumableGenerator, n: int, frac: float) -> tuple[float, float, int]:
-    """Returns (submit -> finish, kill -> finish, tokens regenerated) of one request killed at `frac`."""
+    """Returns (submit -> finish, kill -> finish, tokens regenerated) of one request killed at `frac`, at the
+    same kill point as the retry arm (the engine's own counter)."""
     sp = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
-    killed: list[tuple[int, float, str]] = []
+    first: asyncio.Future = asyncio.get_running_loop().create_future()
 
-    def kill(clog, seg):
-        if not killed and clog.committed >= int(n * frac):
-            slot = fm.slots[seg.engine]
-            killed.append((clog.committed, time.monotonic(), slot.info.url))
-            os.kill(slot.info.pid, signal.SIGKILL)
+    def on_progress(clog, seg):
+        if not first.done():
+            first.set_result(seg.engine)
 
     before = await counters(fm)
     t0 = time.monotonic()
-    clog, resp = await gen.generate(f"bench-{time.time()}", PROMPT, sp, on_progress=kill)
+    task = asyncio.create_task(gen.generate(f"bench-{time.time()}", PROMPT, sp, on_progress=on_progress))
+    async with httpx.AsyncClient() as c:
+        engine = await asyncio.wait_for(asyncio.shield(first), 60)
+        victim, at_kill, t_kill, _ = await _kill_at_engine_count(c, fm, fm.slots[engine], before, n, frac, task)
+    clog, resp = await task
     t_end = time.monotonic()
-    assert len(resp["output_ids"]) == n and killed
-    committed, t_kill, victim = killed[0]
-    regen = generated_since(before, await counters(fm), victim) - (n - committed)
-    return t_end - t0, t_end - t_kill, regen
+    assert len(resp["output_ids"]) == n and len(clog.segments) > 1, "the request was not resumed"
+    return t_end - t0, t_end - t_kill, _regenerated(before, await counters(fm), victim, at_kill, n)
 
 
 def cpu_seconds(pid: int) -> float:
