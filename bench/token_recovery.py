@@ -275,7 +275,7 @@ async def main_async(args) -> None:
             print(f"killed at {p}%: kill -> finish: token-level resume {med(tok, 1):.2f} s ({spread(tok, 1)}) | "
                   f"router retry {med(ret, 1):.2f} s ({spread(ret, 1)}) | {med(ret, 1) / med(tok, 1):.1f}x;  "
                   f"submit -> finish: {med(tok, 0):.2f} s vs {med(ret, 0):.2f} s;  tokens regenerated (engine "
-                  f"counters): resume {max(x[2] for x in tok)} max, retry ~{med(ret, 2):.0f}")
+                  f"counters): resume {max(x[2] for x in tok)} max, retry {med(ret, 2):.0f} (median)")
             figures.append(f"kill_finish{p}_resume_s={med(tok, 1):.2f} kill_finish{p}_retry_s={med(ret, 1):.2f} "
                            f"submit_finish{p}_resume_s={med(tok, 0):.2f} submit_finish{p}_retry_s={med(ret, 0):.2f} "
                            f"regenerated{p}_resume={max(x[2] for x in tok)}")
