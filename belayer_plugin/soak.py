@@ -193,18 +193,21 @@ async def _counters(client: Any, fm: Any) -> dict[str, int]:
 
 
 def regenerated(base: dict[str, int], after: dict[str, int], committed: dict[str, int],
-                victim_url: Optional[str]) -> list[tuple[str, int, int]]:
+                victim_url: Optional[str]) -> list[tuple[str, Optional[int], int]]:
     """(url, generated in the round, committed there) of every engine that served the round and generated
     other than the tokens the requests committed on it: the survivors, a promoted standby (from its count
     before the round) and an engine that came up in the round (from 0: a restart, a standby built meanwhile).
-    The victim is left out: it died with tokens no request committed."""
-    out = []
+    The victim is left out: it died with tokens no request committed. An engine other than the victim on which
+    requests committed tokens but whose counter could not be read is one too, with None generated: unchecked
+    is not clean."""
+    out: list[tuple[str, Optional[int], int]] = []
     for url, n in after.items():
         if url == victim_url:
             continue
         made = n - base.get(url, 0)
         if made != committed.get(url, 0):
             out.append((url, made, committed.get(url, 0)))
+    out += [(url, None, n) for url, n in committed.items() if n and url not in after and url != victim_url]
     return out
 
 
@@ -371,6 +374,11 @@ async def _engine_campaign(cfg: Any, run_dir: Path, faults: int, seed: int, dura
                                    + (" at the new weights" if golden_new is not None else ""))
                 stats["engines_counted_new"] += sum(1 for u in after if u not in base)
                 for url, made, committed in regenerated(base, after, per_url, fired.get("url")):
+                    if made is None:
+                        stats["unread_counters"] += 1
+                        bad.append(f"{url} served the round ({committed} tokens committed) but its counters "
+                                   f"could not be read")
+                        continue
                     stats["regenerated_tokens"] += abs(made - committed)
                     bad.append(f"{url} generated {made} tokens in the round, requests committed {committed}")
                 # A request that met the refit: its first k ids are the old weights' golden ids, the rest what

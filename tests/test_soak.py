@@ -72,3 +72,6 @@ def test_regenerated_tokens_count_promoted_standbys_and_engines_that_came_up_in_
     restarted_from_0 = dict(fine, **{"http://restarted": 30})
     assert regenerated(base, restarted_from_0, committed, None) == [("http://restarted", 30, 12)]
     assert regenerated(base, dict(fine, **{"http://e1": 999}), committed, "http://e1") == []  # the victim
+    # an engine that served the round but whose counter could not be read is not taken as clean
+    unread = {k: v for k, v in fine.items() if k != "http://restarted"}
+    assert regenerated(base, unread, committed, None) == [("http://restarted", None, 12)]
