@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import signal
 import time
@@ -211,9 +212,10 @@ def _logs_under(p: psutil.Process, d: Path) -> bool:
 
 
 def _first_back(b) -> float:
-    """When the first engine served again after the kill (HEALTHY: a pick may choose it from then on)."""
-    return min(e.t for e in b.events.find(lambda e: e.kind == "transition" and e.to_state == "HEALTHY"
-                                          and e.t >= b.kill["t"]))
+    """When the first engine served again after the kill (HEALTHY: a pick may choose it from then on); inf if
+    none had when the requests ended (then the checks of what the requests got say what went wrong)."""
+    return min((e.t for e in b.events.find(lambda e: e.kind == "transition" and e.to_state == "HEALTHY"
+                                           and e.t >= b.kill["t"])), default=math.inf)
 
 
 @needs_sglang
