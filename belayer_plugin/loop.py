@@ -46,9 +46,9 @@ class LoopConfig:
     # off) finish before the fleet is shut down, waited for up to this long; the report's `fleet_at_end` says
     # whether the run ended at full strength (fault tolerance on only).
     end_recovery_timeout_s: float = field(default=MISSING)
-    # On a cluster of several nodes (belayer.ray.address): each engine's first incarnation is placed with Ray's
-    # SPREAD strategy, over as many nodes as there are engines (Ray's default fills the driver's node first).
-    # Replacements and standbys are Belayer's to place (node exclusion, shadow.placement).
+    # On a cluster of several nodes (belayer.ray.address): engine i's first incarnation goes to node i mod the
+    # number of nodes that can host one (Ray's default fills the driver's node first). Replacements and
+    # standbys are Belayer's to place (node exclusion, shadow.placement).
     spread_engines: bool = field(default=MISSING)
 
     def problems(self) -> list[str]:
@@ -111,16 +111,28 @@ def _refuse_used_run_dir(run_dir: Path) -> None:
                            f"empty directory, or leave it empty for runs/<timestamp>"])
 
 
-def _spread_first_engines(num_engines: int) -> Callable[[str], dict]:
-    """FleetManager.actor_options: Ray's SPREAD strategy for the first incarnation of each engine slot; {} for
-    any later one, so that Belayer places replacements (node exclusion) and standbys (shadow.placement)."""
-    first = {f"engine-{i}" for i in range(num_engines)}
+def _engine_nodes(cpus: float, gpus: float) -> dict[str, str]:
+    """{node id: address} of the alive nodes whose totals can host one engine (`cpus` CPUs, `gpus` GPUs)."""
+    import ray
+
+    return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")
+            and n.get("Resources", {}).get("CPU", 0) >= cpus and n.get("Resources", {}).get("GPU", 0) >= gpus}
+
+
+def _spread_first_engines(num_engines: int, nodes: dict[str, str]) -> Callable[[str], dict]:
+    """FleetManager.actor_options: the first incarnation of engine i on node i mod len(nodes) ({node id:
+    address} of nodes that can host an engine, in address order); {} for any later incarnation, so that Belayer
+    places replacements (node exclusion) and standbys (shadow.placement). Hard node affinity: Ray's SPREAD
+    strategy and soft affinity both put engines on other nodes than asked in our netns tests (all on one node);
+    an engine whose node is gone before it starts fails its start and is placed again by Belayer."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    order = sorted(nodes, key=lambda n: (nodes[n], n))
+    first = {f"engine-{i}": order[i % len(order)] for i in range(num_engines)}
 
     def opts(sid: str) -> dict:
-        if sid not in first:
-            return {}
-        first.discard(sid)
-        return {"scheduling_strategy": "SPREAD"}
+        node = first.pop(sid, None)
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)} if node else {}
 
     return opts
 
@@ -243,8 +255,10 @@ class ReferenceLoop:
         self._say(f"[belayer] run dir {self.run_dir}; fault tolerance {'ON' if cfg.use_fault_tolerance else 'OFF'}; "
                   f"chaos {cfg.chaos.kind + ' @ ' + cfg.chaos.trigger + ' ' + format(cfg.chaos.at, 'g') if cfg.chaos.enabled else 'off'}")
         self.fleet = FleetManager(cfg, self.run_dir, self.events)
-        if lc.spread_engines and len(store_nodes) > 1:  # store_nodes: every alive node, on a cluster of several
-            self.fleet.actor_options = _spread_first_engines(cfg.engines.num_engines)
+        nodes = await asyncio.to_thread(_engine_nodes, cfg.engines.num_cpus_per_engine,
+                                        cfg.engines.num_gpus_per_engine)
+        if lc.spread_engines and len(nodes) > 1:
+            self.fleet.actor_options = _spread_first_engines(cfg.engines.num_engines, nodes)
         t0 = time.monotonic()
         backend = self._backend()
         # The tokenizer (transformers and torch imports), the learner (torch in its worker) and the sandbox

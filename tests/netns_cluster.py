@@ -28,6 +28,11 @@ next cluster's start: names whose pid is no longer alive are leftovers.
 A machine where namespaces cannot be made (no root, no CAP_NET_ADMIN) fails the test with the reason: a
 skip would let CI pass without ever testing across nodes.
 
+Containers: `ip netns exec` gives each node a fresh /sys, without the cgroup hierarchies mounted under
+/sys/fs/cgroup, so runc cannot create a container there ("no cgroup mount found in mountinfo"). Each worker
+node mounts them again (the same hierarchies as the root namespace's, as its mountinfo lists them) in its own
+mount namespace before `ray start`: Podman, runc and CRIU then work on every node (`_cgroup_mounts`).
+
 Fault injection (from the driver, which runs in the root namespace): `kill_node` SIGKILLs every process in a
 node's namespace (a lost machine), `partition`/`heal` take the node's veth end on the bridge down and up
 (its processes live on, cut off).
@@ -201,8 +206,10 @@ class NetnsCluster:
         _wait_started(head, *self._popen(argv, head))
 
     def _start_worker(self, n: Node) -> tuple[subprocess.Popen, int]:
-        # Ports inside the node's own namespace: nothing else listens there.
-        argv = ["ip", "netns", "exec", n.netns] + self._ray_argv(n, WORKER_PORTS) + [f"--address={self.address}"]
+        # Ports inside the node's own namespace: nothing else listens there. The cgroup hierarchies first (in
+        # the node's own mount namespace, which `ip netns exec` made a slave: nothing propagates back).
+        argv = ["ip", "netns", "exec", n.netns, "sh", "-c", f'set -e; {_cgroup_mounts()} exec "$@"', "sh",
+                *self._ray_argv(n, WORKER_PORTS), f"--address={self.address}"]
         return self._popen(argv, n)
 
     @property
@@ -392,6 +399,24 @@ def _wait_started(n: Node, proc: subprocess.Popen, since: int, timeout: float = 
         if time.monotonic() > deadline:
             raise NetnsError(f"node {n.name} ({n.ip}) not started after {timeout} s; log: {_tail(n.log)}")
         time.sleep(0.2)  # `ray start` offers no event but its log; the deadline bounds this
+
+
+def _cgroup_mounts() -> str:
+    """Shell commands mounting, under a fresh /sys, the cgroup hierarchies this (root) namespace has mounted
+    under /sys/fs/cgroup (v1 controllers, named hierarchies, or the v2 hierarchy), with the same options."""
+    cmds = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        pre, _, post = line.partition(" - ")
+        point = pre.split()[4]
+        fstype, _, opts = post.split()[:3]
+        if point != "/sys/fs/cgroup" and not point.startswith("/sys/fs/cgroup/"):
+            continue
+        keep = [o for o in opts.split(",") if o not in ("rw", "ro")]
+        if fstype == "cgroup" and all(o.startswith("name=") for o in keep):
+            keep = ["none", *keep]  # a named hierarchy without controllers
+        o = ",".join(keep) or "defaults"
+        cmds.append(f"mkdir -p {point}; mount -t {fstype} -o {o} {fstype} {point};")
+    return " ".join(cmds)
 
 
 def _tail(path: str, n: int = 2000) -> str:

@@ -1,7 +1,9 @@
 """Beyond one machine, for real: a Ray head in the root namespace and worker nodes B and C, each in its own
 network namespace with its own address on a bridge (tests/netns_cluster.py). Engines bind to and advertise
 their own node's address; the router and the driver (in the root namespace, on the head's node) reach them
-across the bridge; requests survive the loss of an engine, of a whole node, and of a node's link.
+across the bridge; requests survive the loss of an engine, of a whole node, and of a node's link; a sandbox
+trajectory of a lost node is restored on another from the shared checkpoint store; `belayer run` joins the
+cluster.
 
 Each scenario runs as a subprocess (this file as a script): the cluster needs its own Ray driver, so the
 session's shared Ray cluster is untouched. The module shares one cluster (~20 s to build on 2 cores);
@@ -158,6 +160,25 @@ def test_belayer_run_joins_an_existing_cluster_spreads_its_engines_over_the_node
     assert set(hosts.values()) - {cluster.nodes["a"].ip}, ev  # at least one engine on another node than the driver
     assert all(e["counters"]["generated_tokens"] > 0 for e in ev.values()), ev
     assert len(report["steps"]) == 2 and all(s["trajectories"] > 0 for s in report["steps"])
+
+
+@pytest.mark.timeout(300)
+def test_a_sandbox_whose_node_is_lost_is_restored_on_another_node_with_the_context_of_the_same_boundary(
+        cluster, tmp_path):
+    from belayer_plugin.sandbox.scripted import golden_state
+
+    fig = run_driver(__file__, cluster, tmp_path, TAG, 260, BELAYER_NETNS_SCENARIO="sandbox_moves")
+    b, c = cluster.nodes["b"].ip, cluster.nodes["c"].ip
+    assert fig["on_b"]["node"] == b and fig["killed_processes"] > 0
+    got = fig["on_c"]
+    assert got["node"] == c  # restored by a process of node C, from the store B published to
+    # the newest checkpoint (boundary 2); action 3 was committed after it and died with B
+    assert got["boundary"] == 2 and got["checkpoint"] and got["failed_boundary"] == 2
+    assert got["token_ids"] == fig["on_b"]["context"]["2"]  # B's own context at that boundary
+    assert got["context"] == [fig["on_b"]["context"][str(i)] for i in range(3)]
+    assert got["state_restored"] == golden_state(2)  # its in-memory state too: CRIU, on C
+    assert got["state_final"] == golden_state(4)  # as a fault-free run ends
+    assert got["restored_events"] == 1 and got["runtime_restored_id"]
 
 
 # -- the scenarios (in the driver subprocess) ------------------------------------------------------------------
@@ -452,6 +473,80 @@ async def scenario_partition(cluster, run_dir: Path) -> dict:
     return fig
 
 
+async def scenario_sandbox_moves(cluster, run_dir: Path) -> dict:
+    """A sandbox trajectory on node B (checkpoints at boundaries 0-2 in a store every node reads, action 3
+    committed after the last one); node B lost (every process in its namespace SIGKILLed, its container
+    killed); node C resumes the trajectory from the store."""
+    import ray
+
+    from belayer_plugin.envs.build import ensure_image
+    from belayer_plugin.sandbox.podman import PodmanBackend
+
+    store = run_dir / "sandbox-checkpoints"  # one file system: shared by every node (as the run's check proves)
+    image = ensure_image(PodmanBackend(state_dir=run_dir / "podman-a"), "busybox", None)
+
+    @ray.remote(num_cpus=0, resources={"netns_node_b": 0.01}, max_restarts=0)
+    class TrajectoryOnB:
+        def run(self, store_root: str, image: str, state_dir: str) -> dict:
+            from belayer_plugin.sandbox.base import Sandbox, SandboxSpec
+            from belayer_plugin.sandbox.checkpoint import CheckpointStore
+            from belayer_plugin.sandbox.scripted import action, messages, setup_stated, tokens
+            from belayer_plugin.sandbox.trajectory import TrajectoryRecorder
+
+            sb = Sandbox.create(PodmanBackend(state_dir=state_dir), SandboxSpec(image=image, memory_mb=128), "traj",
+                                20.0)
+            setup_stated(sb)
+            self.rec = TrajectoryRecorder("traj", sb, CheckpointStore(store_root, keep=3), checkpoint_mode="full")
+            self.rec.start(tokens(0), messages(0))
+            for i in (1, 2, 3):
+                self.rec.begin_action(action(i))
+                assert sb.exec(action(i)["command"]).exit_code == 0
+                self.rec.commit(tokens(i), messages(i))
+                if i < 3:
+                    self.rec.checkpoint()
+            return {"node": ray.util.get_node_ip_address(), "container": sb.container_id,
+                    "context": {r.index: r.token_ids for r in self.rec.boundaries}}
+
+    @ray.remote(num_cpus=0, resources={"netns_node_c": 0.01}, max_retries=0)
+    def resume_on_c(store_root: str, state_dir: str) -> dict:
+        from belayer_plugin.sandbox.checkpoint import CheckpointStore
+        from belayer_plugin.sandbox.scripted import action, messages, query_state, setup_stated, tokens
+        from belayer_plugin.sandbox.trajectory import TrajectoryRecorder
+
+        events: list[dict] = []
+        rec, rb = TrajectoryRecorder.resume("traj", PodmanBackend(state_dir=state_dir),
+                                            CheckpointStore(store_root, keep=3), exec_timeout_s=20.0,
+                                            on_event=events.append, setup=setup_stated, checkpoint_mode="full")
+        try:
+            out = {"node": ray.util.get_node_ip_address(), "boundary": rb.boundary, "token_ids": rb.token_ids,
+                   "checkpoint": rb.checkpoint_id, "failed_boundary": rb.failed_boundary,
+                   "context": [r.token_ids for r in rec.boundaries], "state_restored": query_state(rb.sandbox)}
+            for i in (3, 4):
+                rec.begin_action(action(i))
+                assert rec.sandbox.exec(action(i)["command"]).exit_code == 0
+                rec.commit(tokens(i), messages(i))
+            out["state_final"] = query_state(rec.sandbox)
+            restores = [e for e in events if e["kind"] == "restore"]
+            out["restored_events"] = len(restores)
+            out["runtime_restored_id"] = restores[0].get("runtime_restored_id") if restores else None
+            return out
+        finally:
+            rec.close()
+
+    on_b = TrajectoryOnB.remote()
+    fig: dict = {"on_b": await asyncio.wait_for(asyncio.wrap_future(
+        on_b.run.remote(str(store), image, str(run_dir / "podman-b")).future()), 150)}
+    t0 = time.monotonic()
+    fig["killed_processes"] = cluster.kill_node("b")
+    be = PodmanBackend(state_dir=run_dir / "podman-a")  # B's container dies with it (its own netns: not in B's)
+    be.kill(fig["on_b"]["container"])
+    be.remove(fig["on_b"]["container"])
+    fig["on_c"] = await asyncio.wait_for(asyncio.wrap_future(
+        resume_on_c.remote(str(store), str(run_dir / "podman-c")).future()), 150)
+    fig["resume_s"] = round(time.monotonic() - t0, 2)
+    return fig
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -460,7 +555,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-SCENARIOS = {"resume": scenario_resume, "node_loss": scenario_node_loss, "partition": scenario_partition}
+SCENARIOS = {"resume": scenario_resume, "node_loss": scenario_node_loss, "partition": scenario_partition,
+             "sandbox_moves": scenario_sandbox_moves}
 
 
 def main(run_dir: str) -> None:
