@@ -75,3 +75,5 @@ def test_regenerated_tokens_count_promoted_standbys_and_engines_that_came_up_in_
     # an engine that served the round but whose counter could not be read is not taken as clean
     unread = {k: v for k, v in fine.items() if k != "http://restarted"}
     assert regenerated(base, unread, committed, None) == [("http://restarted", None, 12)]
+    # an engine that answered without counters (real SGLang) is not judged, and not taken as unread
+    assert regenerated(base, dict(fine, **{"http://restarted": None}), committed, None) == []
