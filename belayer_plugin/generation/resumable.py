@@ -217,7 +217,7 @@ class FleetSelector:
                             raise e
                     if hold is not None and hold.on_wait is not None and held is not bool(back):
                         held = bool(back)  # told when the wait begins and when it becomes a hold (or stops)
-                        hold.on_wait(f"the fleet is bringing back {', '.join(back)}" if back
+                        hold.on_wait(f"an engine the fleet is bringing back ({', '.join(back)})" if back
                                      else f"a serving engine ({e}; recovery.stall_timeout_s={timeout:g})")
                     await self.fleet.wait_changed(left)  # woken by the fleet's next state change
         finally:
