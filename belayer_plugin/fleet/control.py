@@ -13,20 +13,19 @@ Malformed bodies are 400, an unknown engine 404, a refused or failed change (flo
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from aiohttp import web
 
+from belayer_plugin.fleet.slot import DrainError
 from belayer_plugin.http_serve import start_app
-
-if TYPE_CHECKING:
-    from belayer_plugin.fleet.manager import FleetManager
 
 
 class ControlServer:
     """An aiohttp server acting on one FleetManager."""
 
-    def __init__(self, fleet: "FleetManager", host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, fleet: Any, host: str = "127.0.0.1", port: int = 0):
+        # fleet: the FleetManager, untyped here: it starts this server, and this module must not import it.
         self.fleet = fleet
         self.host, self.port = host, port
         self.url = ""
@@ -58,8 +57,6 @@ class ControlServer:
         return web.json_response(self.status())
 
     async def _act(self, request: web.Request, fields: dict[str, type], act: Any) -> web.Response:
-        from belayer_plugin.fleet.manager import DrainError
-
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -24,16 +24,39 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Protocol
 
+from belayer_plugin.config import BelayerConfig
 from belayer_plugin.engines.actor import EngineInfo, remote_engine_actor
+from belayer_plugin.events import EventLog
 from belayer_plugin.fleet.health import State
 from belayer_plugin.fleet.policy import RestartPolicy
-
-if TYPE_CHECKING:
-    from belayer_plugin.fleet.manager import FleetManager
+from belayer_plugin.fleet.slot import Slot, Weights
 
 _POOL = "shadow-pool"
+
+
+class ShadowHost(Protocol):
+    """What the pool needs from the fleet that owns it (the FleetManager; the pool never imports it)."""
+
+    cfg: BelayerConfig
+    events: EventLog
+    run_dir: Path
+    engine_model_path: str
+    weights: Weights
+    slots: dict[str, Slot]
+
+    @property
+    def excluded_nodes(self) -> set[str]: ...
+
+    async def actor_opts(self, sid: str, role: str) -> dict: ...
+
+    def note_death(self, node: str, position: str, incarnation: int, rids: frozenset = frozenset()) -> None: ...
+
+    def check_node(self, node: str) -> None: ...
+
+    async def wait_changed(self, timeout: float) -> None: ...
 
 
 @dataclass
@@ -54,7 +77,7 @@ class Shadow:
 class ShadowPool:
     """Keeps `shadow.num_standby` standby engines ready for handover."""
 
-    def __init__(self, fleet: "FleetManager"):
+    def __init__(self, fleet: ShadowHost):
         self.fleet = fleet
         self.cfg = fleet.cfg.shadow
         self.ready: list[Shadow] = []
