@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from belayer_plugin.generation.detok import IncrementalText
+from belayer_plugin.detok import IncrementalText
 
 TEXT = "héllo wörld 日本語 🙂 done, and then some more words to decode 🙂🙂 end"
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import orjson
 from aiohttp import web
 
-from belayer_plugin.generation.detok import IncrementalText
+from belayer_plugin.detok import IncrementalText
 from belayer_plugin.lean_imports import skip_unused_imports
 
 log = logging.getLogger("belayer.cpu_engine")

@@ -1,41 +1,20 @@
-"""How an engine's server process is started: the same interface for the CPU engine and real SGLang."""
+"""How an engine's server process is started: the same interface for the CPU engine and real SGLang.
+
+Owns: the command line and environment of each engine kind's server. Must not: start or watch processes
+(engines/actor.py does); the host and port helpers live in engines/address.py (re-exported here).
+"""
 
 from __future__ import annotations
 
-import socket
 import sys
 from typing import TYPE_CHECKING
+
+from belayer_plugin.engines.address import engine_host, free_port
 
 if TYPE_CHECKING:
     from belayer_plugin.config import EnginesConfig
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host`."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def engine_host(configured: str) -> str:
-    """The address an engine's server binds and names in its URL: `engines.host` when set, else the address
-    of the node it runs on as Ray's control store registered it (127.0.0.1 on Belayer's loopback local cluster,
-    the node's own address on a multi-node cluster), so that the router and the driver on another node reach
-    it; 127.0.0.1 outside Ray. Never a wildcard: a server listens on one address."""
-    if configured:
-        return configured
-    import ray
-
-    if not ray.is_initialized():
-        return "127.0.0.1"
-    # Not ray.util.get_node_ip_address(): in a process without Ray's node object it answers with the interface
-    # that routes to 8.8.8.8 (this VM's eth0), not the address the node is registered under (CI saw engines of
-    # a loopback cluster advertise eth0's address).
-    node_id = ray.get_runtime_context().get_node_id()
-    for n in ray.nodes():
-        if n.get("NodeID") == node_id and n.get("NodeManagerAddress"):
-            return str(n["NodeManagerAddress"])
-    return ray.util.get_node_ip_address()
+__all__ = ["cpu_server_command", "engine_host", "free_port", "server_command"]
 
 
 def cpu_server_command(cfg: "EnginesConfig", model_path: str, host: str, port: int,

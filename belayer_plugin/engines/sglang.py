@@ -353,7 +353,7 @@ def start_sglang_server(cfg: EnginesConfig, model_path: str, log_path: Path, *,
     A port that another process takes before the server binds it is a clash: the server (killed, if it
     still runs) starts again on a fresh port, ports.PORT_ATTEMPTS in all, all within cfg.startup_timeout_s.
     Raises what wait_first_token raises otherwise (the server stopped first)."""
-    from belayer_plugin.engines.launch import engine_host, free_port
+    from belayer_plugin.engines.address import engine_host, free_port
     from belayer_plugin.ports import PORT_ATTEMPTS, PortClashError, log_says_address_in_use, log_size
 
     host = engine_host(cfg.host)

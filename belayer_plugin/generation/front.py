@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from belayer_plugin.generation.context_log import ContextLog, Segment
-from belayer_plugin.generation.detok import IncrementalText
+from belayer_plugin.detok import IncrementalText
 from belayer_plugin.generation.resumable import RequestFailedError, ResumableGenerator
 from belayer_plugin.http_serve import start_app
 

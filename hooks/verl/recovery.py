@@ -32,7 +32,9 @@ from belayer_plugin.config import BelayerConfig
 from belayer_plugin.events import EventLog
 from belayer_plugin.fleet.health import EngineHealth, Signal, State
 from belayer_plugin.fleet.policy import FleetBelowFloorError, RestartPolicy
-from belayer_plugin.hooks.verl.replica import drop_servers, forget_server_handles
+# current_recovery / set_current_recovery live with the replicas that use them (replica.py must not import this module).
+from belayer_plugin.hooks.verl.replica import (current_recovery, drop_servers, forget_server_handles,
+                                               set_current_recovery)
 
 __all__ = ["ReplicaRecovery", "BelayerCheckpointEngineManager", "FleetBelowFloorError", "ReplicaSyncError",
            "current_recovery", "set_current_recovery", "guard_replica", "guard_checkpoint_manager",
@@ -91,19 +93,6 @@ def guard_replica(replica: Any, recovery: "ReplicaRecovery") -> None:
         if hasattr(replica, name):
             setattr(replica, name, wrap(name))
     replica._belayer_guarded = True
-
-_current: Optional["ReplicaRecovery"] = None  # this process's (set by Belayer's agent loop manager)
-
-
-def current_recovery() -> Optional["ReplicaRecovery"]:
-    return _current
-
-
-def set_current_recovery(rec: Optional["ReplicaRecovery"]) -> None:
-    """The recovery the trainer process's checkpoint manager uses (Belayer's agent loop manager sets it)."""
-    global _current
-    _current = rec
-
 
 class ReplicaRecovery:
     def __init__(self, cfg: BelayerConfig, balancer: Any = None, events: Optional[EventLog] = None,

@@ -170,6 +170,20 @@ class BelayerServer:
         await self.set_global_steps(global_steps)
 
 
+_current: Any = None  # this process's ReplicaRecovery (set by Belayer's agent loop manager)
+
+
+def current_recovery() -> Any:
+    """This process's ReplicaRecovery (hooks/verl/recovery.py), or None."""
+    return _current
+
+
+def set_current_recovery(rec: Any) -> None:
+    """The recovery the trainer process's checkpoint manager uses (Belayer's agent loop manager sets it)."""
+    global _current
+    _current = rec
+
+
 class BelayerReplica(RolloutReplica):
     """verl's RolloutReplica with one BelayerServer (see the module doc)."""
 
@@ -234,8 +248,6 @@ class BelayerReplica(RolloutReplica):
         # verl's v1 trainer keeps this object in its own CheckpointEngineManager (no option to replace it):
         # restart in place now, so its next call (the weight sync) reaches a live server; the new server stays
         # out of the balancer (STALE) until it serves the current weights (Belayer's agent loop manager admits it).
-        from belayer_plugin.hooks.verl.recovery import current_recovery
-
         rec = current_recovery()  # one call per replica at a time (verl gathers over replicas), so no lock
         if rec is not None and self.dead is not None and await rec.restart(self, self.dead):
             await asyncio.gather(*(getattr(s, method).remote(**kwargs) for s in self.servers))

@@ -1,4 +1,8 @@
-"""Incremental detokenization of a growing id sequence (as SGLang's detokenizer streams text)."""
+"""Incremental detokenization of a growing id sequence (as SGLang's detokenizer streams text).
+
+Owns: turning a growing id list into text in O(n). Must not: import any other Belayer module (the CPU engine
+and the /generate front both use it, from different layers).
+"""
 
 from __future__ import annotations
 
