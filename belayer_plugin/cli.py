@@ -1,4 +1,8 @@
-"""The `belayer` command: run recipes, check configs, build the tiny model and environments."""
+"""The `belayer` command: run recipes, check configs, build the tiny model and environments.
+
+Owns: the `belayer` command line (argument parsing, dispatch to the modules that do the work). Must not: hold
+logic of its own beyond printing what those modules return.
+"""
 
 from __future__ import annotations
 

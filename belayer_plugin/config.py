@@ -4,6 +4,9 @@ Defaults live once, in ``recipes/belayer/default.yaml``: the dataclasses here de
 allowed values but no default values, so a recipe that forgets a key is caught by `validate`, which names
 every missing or invalid key at once with its dotted path (a KeyError in the middle of a run is exactly
 the bug NeMo-RL's reviewers found when the feature was switched on).
+
+Owns: the config dataclasses, their Hydra registration and validation (every problem at once, with its dotted
+path). Must not: hold defaults (recipes/belayer/default.yaml does) or import any other layer.
 """
 
 from __future__ import annotations

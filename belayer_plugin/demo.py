@@ -1,4 +1,7 @@
-"""The fleet demo: CPU engines on local Ray behind the real sglang-router, greedy requests, a table."""
+"""The fleet demo: CPU engines on local Ray behind the real sglang-router, greedy requests, a table.
+
+Owns: the fleet demo's run and its table. Must not: be imported by library code.
+"""
 
 from __future__ import annotations
 

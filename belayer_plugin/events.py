@@ -1,4 +1,8 @@
-"""Structured events: every transition and action is one record; reports and metrics read only these."""
+"""Structured events: every transition and action is one record; reports and metrics read only these.
+
+Owns: the event record, the event log (events.jsonl) and its subscribers. Must not: import any other Belayer
+module or decide anything.
+"""
 
 from __future__ import annotations
 

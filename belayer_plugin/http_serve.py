@@ -1,4 +1,7 @@
-"""Serving an aiohttp application on one host and port (Belayer's front and fleet control server)."""
+"""Serving an aiohttp application on one host and port (Belayer's front and fleet control server).
+
+Owns: starting an aiohttp app and reporting its URL. Must not: define routes.
+"""
 
 from __future__ import annotations
 

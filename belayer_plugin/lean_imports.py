@@ -5,6 +5,8 @@ process on this VM), only to filter candidates in assisted generation, which no 
 reference learner, the main job's driver and CPU engines serving a non-Qwen2 checkpoint load transformers
 (a Qwen2 checkpoint is served by engines.native_lm without it), and such engines start often (restarts,
 shadows, every test fleet), so that import is a large share of a start-up on a few cores.
+
+Owns: the list of imports skipped and how. Must not: import any Belayer module.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Model and optimizer are checkpointed asynchronously at every step boundary (the 
 step's thread, the write happens in the background and is published by an atomic rename), and a new
 learner resumes from the latest complete checkpoint, so killing the learner loses at most the step that
 was running — which the loop re-runs from the same batch with the same result.
+
+Owns: the gradient step and saving the weights it produces. Must not: talk to engines (the loop refits them).
 """
 
 from __future__ import annotations

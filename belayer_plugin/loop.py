@@ -5,6 +5,9 @@
 
 with Belayer's recovery in every phase when `belayer.use_fault_tolerance` is true, and chaos injected when
 `belayer.chaos.enabled` is true. The report says what happened; nothing is claimed that it does not show.
+
+Owns: the order of the lifecycle calls per step and the run's report. Must not: hold fault-tolerance logic
+itself (the fleet, the generator and the sandboxes do).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Prometheus metrics fed from events (no module reads another's internals)."""
+"""Prometheus metrics fed from events (no module reads another's internals).
+
+Owns: StepMetrics and Prometheus FleetMetrics, both fed from events. Must not: read any component's state
+directly.
+"""
 
 from __future__ import annotations
 

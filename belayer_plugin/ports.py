@@ -10,6 +10,8 @@ sent after ``listener_ownership`` said OURS is answered by our server.
 
 Linux only, as Belayer is (servers die with their parent through prctl). Servers started in-process with
 aiohttp on port 0 (``http_serve.start_app``) need none of this: the OS picks the port while binding it.
+
+Owns: finding who listens on a port and the port-clash rules. Must not: start servers.
 """
 
 from __future__ import annotations

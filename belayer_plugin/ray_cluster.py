@@ -1,4 +1,7 @@
-"""Ray start-up: a local cluster on loopback with a per-run temp dir, or an existing cluster by address."""
+"""Ray start-up: a local cluster on loopback with a per-run temp dir, or an existing cluster by address.
+
+Owns: ray.init and its options. Must not: start engines or actors.
+"""
 
 from __future__ import annotations
 

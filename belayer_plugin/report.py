@@ -1,4 +1,8 @@
-"""The run report: a terminal summary table, report.json, and a PNG timeline of the recovery events."""
+"""The run report: a terminal summary table, report.json, and a PNG timeline of the recovery events.
+
+Owns: the run report's table, report.json and timeline.png, all from events. Must not: read any component's
+state directly.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,9 @@ context. Every committed action is a boundary of the trajectory recorder, so an 
 the sandbox AND the context back to the same boundary and the agent regenerates from there.
 
 The task is small and verifiable: append lines to /root/log.txt; the reward counts them.
+
+Owns: one agentic trajectory's loop of LLM turns and sandbox actions. Must not: checkpoint or restore itself
+(sandbox/trajectory.py does) or choose engines.
 """
 
 from __future__ import annotations

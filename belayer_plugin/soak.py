@@ -18,6 +18,8 @@ a promoted standby, an engine that came up in it) must have generated exactly th
 on it (0 regenerated).
 
 Writes soak.json (the figures and every violation) and soak.png; prints a live progress bar.
+
+Owns: soak campaigns and their comparison with fault-free runs. Must not: be imported by library code.
 """
 
 from __future__ import annotations

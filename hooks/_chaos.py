@@ -1,5 +1,8 @@
 """Chaos for trainer runs: the recipe's `belayer.chaos` section drives Belayer's own ChaosInjector against the
-fleet under a trainer hook. Fault-injection code is imported only when `belayer.chaos.enabled` is true."""
+fleet under a trainer hook. Fault-injection code is imported only when `belayer.chaos.enabled` is true.
+
+Owns: wiring a trainer run's chaos section to the injector. Must not: act without chaos.enabled.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Reads a trainer recipe's `belayer` section over Belayer's defaults and validates it (every problem at once)."""
+"""Reads a trainer recipe's `belayer` section over Belayer's defaults and validates it (every problem at once).
+
+Owns: reading a trainer recipe's belayer section. Must not: hold defaults (recipes/belayer/default.yaml does).
+"""
 
 from __future__ import annotations
 

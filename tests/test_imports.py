@@ -1,4 +1,5 @@
-"""Imports go one way: no circle among Belayer's modules, and no import of a layer above the importer's own.
+"""Imports go one way: no circle among Belayer's modules, and no import of a layer above the importer's own;
+and every module says what it owns and what it must not do.
 
 The layers and what each may import are read from the table in docs/architecture.md ("Layers and imports"),
 so the doc and the code cannot drift apart. Every import counts: at module level, inside functions (a lazy
@@ -20,6 +21,8 @@ def _modules(root: Path = ROOT) -> dict[str, Path]:
     for pkg in ("belayer_plugin", "hooks"):
         base = root / pkg
         for p in base.rglob("*.py"):
+            if p.resolve() != p:  # a symlinked copy (e.g. a dev checkout's belayer_plugin/hooks -> ../hooks)
+                continue
             parts = [pkg, *p.relative_to(base).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
@@ -178,3 +181,16 @@ def test_the_walk_finds_a_circle_through_a_lazy_or_type_only_import_and_an_upwar
     assert "belayer_plugin.fleet.x (fleet) imports belayer_plugin.generation.y (generation) at line 2" \
         in _upward(tmp_path)
     assert _layer_of(ROOT / "belayer_plugin" / "sandbox" / "config.py", _layers()[0]) == "base"
+
+
+def test_every_module_docstring_says_what_it_owns_and_what_it_must_not_do():
+    """Each module opens by saying what it owns and what it must not do (the stand-ins SGLang imports under
+    other packages' names, engines/sglang_standins/, are not Belayer modules and are left out)."""
+    lacking = []
+    for mod, path in sorted(_modules().items()):
+        if ".sglang_standins" in mod:
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if "Owns:" not in doc or "Must not:" not in doc:
+            lacking.append(str(path.relative_to(ROOT)))
+    assert not lacking, f"module docstrings without 'Owns:' and 'Must not:': {lacking}"

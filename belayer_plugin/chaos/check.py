@@ -6,6 +6,9 @@ run that fails or loses work.
 python -m belayer_plugin.chaos.check --report R --expect survival --golden G
 python -m belayer_plugin.chaos.check --report R --expect bounded_failure --error-type T --max-duration S
 python -m belayer_plugin.chaos.check --report R --expect loses_work
+
+Owns: judging a finished chaos run from its report and events (and the engines' own ledgers). Must not: inject
+faults or import the fleet, engines or sandboxes: it judges from what the run left.
 """
 
 from __future__ import annotations

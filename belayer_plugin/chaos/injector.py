@@ -9,6 +9,10 @@ reaching turn `at`).
 Every fault is recorded as delivered, never as intended: an `inject` event is written only after a signal
 reached a process verified alive, or a container verified running was killed and seen stopped; otherwise a
 `missed` event says why and the trigger re-arms (chaos/check.py fails a run without a delivered fault).
+
+Owns: delivering real faults (signals, container kills) to verified-live targets at configured moments, and
+recording each as an event. Must not: run unless chaos.enabled, recover anything, or import the fleet (targets
+are handed to it).
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ trajectories, each of T turns of N tokens:
   with skip_unchanged a boundary without side effects reuses the last checkpoint, so only each trajectory's
   first one is certain).
 - time: seconds into the run (> 0); not checked against the recipe.
+
+Owns: the list of trigger positions and checking a recipe's triggers against it before a run. Must not: inject
+faults.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 Liveness comes from Ray in every phase (serving, paused, memory released, mid-refit): a caller keeps a
 `wait_exit()` call pending on the actor; it returns when the server process exits and raises
 RayActorError when the actor itself dies. Neither needs the server to answer HTTP.
+
+Owns: one server process per actor (start, stop, signals, liveness, port ownership checks). Must not: decide
+health, restarts or routing (the fleet does), or import the fleet.
 """
 
 from __future__ import annotations

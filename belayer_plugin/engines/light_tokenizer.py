@@ -4,6 +4,8 @@ transformers 5 loads a qwen2 model's tokenizer as `Qwen2Tokenizer`, which swaps 
 for Qwen2's own. Qwen2 checkpoints (and Belayer's tiny model, see tiny_model.build_tokenizer) already save
 exactly that one, so the Rust tokenizer of tokenizer.json encodes and decodes as transformers does; the
 engine serves natively only such checkpoints (native_lm.usable) and tests compare the two.
+
+Owns: encoding and decoding with a tokenizer.json. Must not: import transformers.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Engines that map the same file share its page cache. A file truncated in place while mapped kills the process
 with SIGBUS on the next access (so does transformers 5, checked), so writers publish new weights by rename, as
 the learner and the shared-memory holder do.
+
+Owns: mapping weight files into tensors copy-on-write. Must not: import transformers or any Belayer module.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ CPU engine needs one architecture's forward pass. This module computes exactly t
 checkpoint directory or from tensors already in memory, under the checkpoint's own parameter names, so
 weight updates by name work unchanged. A model it does not cover (another architecture, a RoPE variant,
 sliding windows) is reported by `unsupported_reason`, and the engine then loads it with transformers.
+
+Owns: the Qwen2 forward pass and loading its weights. Must not: import transformers, serve HTTP or schedule
+requests (engines/cpu_engine.py does).
 """
 
 from __future__ import annotations

@@ -47,6 +47,9 @@ other work shares the cores (two servers starting together under Ray: ~43 s each
 stops it in ~6-8 s; each server leaves two 16 KB ``/dev/shm/sglang_loads_*.shm`` files and a semaphore
 behind, even after SIGTERM. Text prompts are tokenized by SGLang's own loader, which restores
 tokenizer.json's pre-tokenizer where transformers 5 replaces it (see tiny_model.build_tokenizer).
+
+Owns: SGLang's server command, its venv check, start and stop of a bare server and its admin HTTP calls.
+Must not: import sglang (it runs in its own venv) or decide anything about health.
 """
 
 from __future__ import annotations

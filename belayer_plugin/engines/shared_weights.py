@@ -4,6 +4,8 @@ A holder publishes a model directory once into /dev/shm: the tensors back to bac
 index, beside the model's small config and tokenizer files. Engines map that file copy-on-write and build
 their parameters on top of it, so N engines hold one copy of the weights: a standing-by shadow costs its
 process overhead, not another copy of the model.
+
+Owns: the shared-memory copy of each published weight version and its release. Must not: serve requests.
 """
 
 from __future__ import annotations

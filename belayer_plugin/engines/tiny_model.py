@@ -3,6 +3,8 @@
 No model hub is reachable, so tests, benchmarks and the demo serve this model. `initializer_range` is
 large on purpose: with the usual 0.02 greedy decoding repeats one token, and every "same ids as the
 fault-free run" test would pass trivially.
+
+Owns: building and caching the tiny model. Must not: be needed by a run given another model.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@
 
 Malformed bodies are 400, an unknown engine 404, a refused or failed change (floor, not serving, timeout)
 409; in every refused case the fleet is unchanged. `belayer fleet ...` is its command-line client.
+
+Owns: the control server's routes and their validation. Must not: act on engines itself (it calls the
+FleetManager it was given) or import fleet/manager.py (the manager starts it).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@
 
 Every signal carries the engine incarnation it was observed on: a late probe result from a previous
 incarnation can never revive a dead engine or condemn its replacement.
+
+Owns: the health states, signals and transitions per incarnation. Must not: do I/O, read clocks, or act on
+engines.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Starts a fleet: N engine actors on Ray and the real sglang-router with every engine registered."""
+"""Starts a fleet: N engine actors on Ray and the real sglang-router with every engine registered.
+
+Owns: the model path, the run directory and a fleet without fault tolerance (`Fleet`: engines behind the
+router). Must not: watch, restart or hand over (that is the FleetManager's).
+"""
 
 from __future__ import annotations
 

@@ -20,6 +20,9 @@ past its own adaptive threshold is SUSPECT at once and probed at once (/health_g
 `progress.confirm_timeout_s`); a token or an answer within that bound clears it, neither makes it DEAD
 (`Signal.PROGRESS_HUNG`, fenced and replaced like any other death). Never while paused, released or
 refitting, nor before an incarnation has streamed `progress.min_gaps` gaps since it started or resumed.
+
+Owns: liveness waits, readiness probes and the token-progress tracker's deadlines, per incarnation. Must not:
+decide transitions (fleet/health.py) or act on engines (the FleetManager): it reports signals only.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ A node is excluded only on node evidence, i.e. faults independent of any one slo
 Repeated deaths of one slot are never node evidence: they follow the restart budget. The last node able
 to host engines is never excluded (the refusal is recorded); an exclusion decays after `decay_s` (0: never)
 and can be lifted by hand with `readmit`. Every verdict carries its evidence as text for events and reports.
+
+Owns: node evidence (deaths per node), exclusion and its decay. Must not: do I/O or read clocks.
 """
 
 from __future__ import annotations

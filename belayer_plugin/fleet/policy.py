@@ -1,5 +1,7 @@
 """The restart policy: a per-engine budget in a sliding window, capped exponential backoff, retirement,
 and a floor of engines below which the run fails fast. Pure: time is passed in.
+
+Owns: restart budgets, backoff, retirement and the healthy floor. Must not: do I/O or act on engines.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ Why per request: a batched engine sends one token per running request at each st
 any two tokens of the engine are mostly the near-zero spread of one step's tokens. With 30 requests in a
 1 s step, 29 of every 30 engine-wide gaps are ~0 and the p95 misses the step entirely: the threshold fell
 to the floor and a saturated engine was suspected at every step. A request's own gaps are the step time.
+
+Owns: per-incarnation token gaps and silence deadlines. Must not: do I/O, read clocks or probe (the monitor
+does).
 """
 
 from __future__ import annotations

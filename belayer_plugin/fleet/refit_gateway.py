@@ -15,6 +15,9 @@ A slot that missed one request of a refit misses the rest of it (a later bucket 
 engine that lacks the earlier ones). Such an engine never reports the streamed version, so the fleet keeps it
 STALE (not routed) until a later refit streams all of it there (FleetManager.adopt_version checks each
 engine's own report). `missed` says which slots missed the current refit and why.
+
+Owns: the per-slot relay URLs of a streamed refit and which slots missed it. Must not: load weights itself or
+fence by any other path than a KILLED report to the fleet.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 The router never evicts a dead worker by itself (0.3.2 only marks it unhealthy after threshold x
 interval, and cache affinity keeps choosing it), so Belayer deregisters before it kills and confirms
 every membership change by reading the table back.
+
+Owns: the sglang-router process and confirmed add/remove of workers. Must not: decide which engines are
+routable (fleet/membership.py does).
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ stopped actor's own death is still reported by Ray (the raylet sees its socket c
 answer gRPC keepalive pings either: Ray's client gives up on an actor whose pings go unanswered (300 s + 120 s by
 default) and fails its pending calls with ActorUnavailableError. So every `shadow.freeze_breath_s` (at most half
 of Ray's keepalive timeout) each stopped standby is woken for one Ray call and stopped again.
+
+Owns: the standbys (build, park, freeze, refit in the background, replace). Must not: give a standby a slot
+(fleet/recovery.py's handover does) or import fleet/manager.py (it reaches the fleet through `ShadowHost`).
 """
 
 from __future__ import annotations

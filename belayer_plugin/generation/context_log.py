@@ -2,6 +2,8 @@
 
 Committed tokens are never regenerated: after a failure the request resumes from prompt + committed ids
 (token ids, never re-tokenised text, which does not round-trip), and their logprobs are kept as they were.
+
+Owns: a request's committed tokens and their segments (engine, version). Must not: do I/O.
 """
 
 from __future__ import annotations

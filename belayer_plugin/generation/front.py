@@ -8,6 +8,9 @@ error's kind, e.g. fleet_below_floor (503), request_deadline (504), queue_full (
 stream's headers go out with its first chunk (or heartbeat), so a request refused before it started gets its
 status too; after that a failure is an SSE `data:` error chunk with no [DONE]. A stream silent for
 recovery.heartbeat_s (e.g. while its request waits for an engine the fleet is bringing back) gets an SSE comment.
+
+Owns: the /generate HTTP surface for trainers and its streaming chunks. Must not: choose engines or resume
+requests itself (ResumableGenerator does).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ One non-streaming POST per request to the router, no retry, no token commits, no
 baseline that the failure-free overhead is measured against (bench/overhead.py), and what the reference
 loop uses when `use_fault_tolerance` is false and no chaos needs to watch tokens. Its result has the
 shape of ResumableGenerator.generate's (a one-segment log and SGLang's response), so callers need no branch.
+
+Owns: the no-Belayer baseline client. Must not: retry or commit tokens.
 """
 
 from __future__ import annotations

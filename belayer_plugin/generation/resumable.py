@@ -15,6 +15,9 @@ No serving engine is no reason to drop a request while the fleet is bringing one
 request waits for it with its committed tokens, woken by the fleet's state changes, until an engine serves,
 the fleet falls below its floor (FleetBelowFloorRequestError) or the request's own deadline passes
 (RequestDeadlineError); new requests join that wait up to `recovery.max_waiting` (then QueueFullError).
+
+Owns: committing tokens as they stream, failing over to another engine and resuming from prompt + committed
+ids, poison-request quarantine. Must not: restart or fence engines (it reports what it saw to the fleet).
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ needed), and the retry from the prompt gives the fault-free ids. Sampled request
 resumed, not refused: on CPU SGLang cannot run deterministic inference (it refuses the torch_native attention
 backend), so sampling_seed is ignored and no two runs agree even without faults; the resumed request is a
 continuation of the committed tokens drawn from the same distribution, which a restart would not improve.
+
+Owns: the rule per sampling parameter (continue exactly, or restart from the prompt). Must not: do I/O.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 A stream that ends without ``data: [DONE]`` or without a finish_reason is a failure, never a short
 answer: when a worker is SIGKILLed mid-stream behind sglang-router the HTTP status was already 200 and
 the stream simply stops.
+
+Owns: the HTTP calls and their shapes. Must not: retry or decide anything about engines.
 """
 
 from __future__ import annotations

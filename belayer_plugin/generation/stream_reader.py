@@ -13,6 +13,9 @@ reports it readable only once `_COALESCE_LOWAT` bytes wait, and a timer lowers i
 makes the kernel report whatever came (lowering the mark signals readiness at once). Chunks are cumulative,
 so a read holding several keeps the newest; an engine's close (a kill) is reported at once whatever the mark,
 and the tokens already in the kernel's buffer are read before it: none is lost.
+
+Owns: parsing a streamed HTTP/1.1 response in the socket's callbacks. Must not: commit tokens or choose
+engines.
 """
 
 from __future__ import annotations

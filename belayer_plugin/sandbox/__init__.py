@@ -10,6 +10,8 @@
 - factory.py       objects from a SandboxConfig
 - miniswe.py       mini-swe-agent environment adapter
 - scripted.py      scripted trajectory + fail-stop fault injection (tests, soak, bench)
+
+Owns: the package's public names. Must not: import backends eagerly (Docker's SDK is optional).
 """
 
 from belayer_plugin.sandbox.base import (

@@ -1,4 +1,8 @@
-"""The Sandbox: one container with limits, exec, file access and close, over a pluggable backend."""
+"""The Sandbox: one container with limits, exec, file access and close, over a pluggable backend.
+
+Owns: the Sandbox and its backend protocol, exec with limits and the sandbox's events. Must not: know about
+LLM contexts or checkpoint policy.
+"""
 
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ size and sha256 of every artifact, and a checksum of the manifest itself). It is
 `.staging-*` directory and published by one rename once every artifact is complete, so a reader sees
 either a whole checkpoint or none; anything that fails verification is never restored, nor is a checkpoint
 from a host this one does not match (CheckpointIncompatible).
+
+Owns: the checkpoint format, its manifest and checksum, publishing and verified restore. Must not: decide when
+to checkpoint (sandbox/policy.py).
 """
 
 from __future__ import annotations

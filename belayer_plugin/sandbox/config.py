@@ -1,4 +1,8 @@
-"""Typed sandbox configuration. Defaults live once, in recipes/belayer/default.yaml under `sandbox:`."""
+"""Typed sandbox configuration. Defaults live once, in recipes/belayer/default.yaml under `sandbox:`.
+
+Owns: the sandbox config dataclasses. Must not: hold defaults or import other sandbox modules (config.py
+imports it: it is in the base layer).
+"""
 
 from __future__ import annotations
 

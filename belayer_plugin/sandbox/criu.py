@@ -1,4 +1,7 @@
-"""Finding a usable CRIU (>= 4.2: older ones fail on this kernel; see shared/notes/containers.md)."""
+"""Finding a usable CRIU (>= 4.2: older ones fail on this kernel; see shared/notes/containers.md).
+
+Owns: locating and checking CRIU. Must not: checkpoint anything itself.
+"""
 
 from __future__ import annotations
 

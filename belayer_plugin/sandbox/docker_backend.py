@@ -1,4 +1,8 @@
-"""Docker backend (through the `docker` Python SDK) and a private `dockerd --experimental` to run it."""
+"""Docker backend (through the `docker` Python SDK) and a private `dockerd --experimental` to run it.
+
+Owns: the Docker backend and its private daemon. Must not: be imported unless Docker is the configured
+backend.
+"""
 
 from __future__ import annotations
 

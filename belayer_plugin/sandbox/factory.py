@@ -1,4 +1,7 @@
-"""Building sandboxes, recorders and policies from a SandboxConfig (what the CLI and recipes use)."""
+"""Building sandboxes, recorders and policies from a SandboxConfig (what the CLI and recipes use).
+
+Owns: turning a SandboxConfig into objects. Must not: run sandboxes.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ every branch starts with the parent's process memory and file system at that act
 diverges on its own (GRPO groups that share an environment state; tree-structured rollouts branching at an
 action). A branch adopts the checkpoint under its own trajectory id (hard links, no copy), so it can roll
 back to the fork point later even after the parent's store forgot it.
+
+Owns: restoring one checkpoint into n containers and forking the context per branch. Must not: decide when to
+fork.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The writable layer as a tarball: the overlay upper dir, whiteouts and opaque dirs included."""
+"""The writable layer as a tarball: the overlay upper dir, whiteouts and opaque dirs included.
+
+Owns: the layer tarball format. Must not: decide when to checkpoint or publish one (sandbox/checkpoint.py does).
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 mini-swe-agent's Environment protocol: `execute(command | {"command": ...}, cwd="", *, timeout=None)`
 returning {"output", "returncode"} (2.x adds "exception_info"), plus `config`, `get_template_vars()` and
 `serialize()`. v1 agents expect a subprocess.TimeoutExpired on timeout; 2.x expects it in the dict.
+
+Owns: the mini-swe-agent environment adapter. Must not: import mini-swe-agent at module level.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Podman backend (daemonless, runc, CLI through subprocess): one export file per checkpoint."""
+"""Podman backend (daemonless, runc, CLI through subprocess): one export file per checkpoint.
+
+Owns: the Podman backend (containers, exec by runc, checkpoint export/import). Must not: decide policy or know
+about LLM contexts.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ to cost: the agent's waits for them, and how much longer the generations they ov
 without one (a hidden checkpoint is not free where it shares the CPU with the engine that generates).
 `decide` is pure; `CheckpointPolicy` runs the checkpoints on one worker thread, measures what the agent
 actually waited for, and cools down after a checkpoint timed out or failed.
+
+Owns: when to checkpoint, from measured costs. Must not: take checkpoints itself.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ reparented here when runc exits and its exit status is collected like conmon doe
 Background jobs stay in the container: orphans inside it go to its PID 1, never to a subreaper outside.
 
 Started with `python -S -I` per command (about 13 ms here): standard library only, no belayer imports.
+
+Owns: one runc exec as a process. Must not: import any Belayer module (it runs as a script).
 """
 
 from __future__ import annotations

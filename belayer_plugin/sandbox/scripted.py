@@ -5,6 +5,8 @@ a line to /work/log and rewrites /work/f<i%3>. The golden final state after n ac
 trial that kills containers at random moments (during actions, checkpoints and restores), optionally
 corrupts a published checkpoint, and recovers through TrajectoryRecorder must end in exactly that state:
 every action's effect applied once, in order, in memory and on disk.
+
+Owns: the scripted trajectory used by tests, soak and bench. Must not: be used by a trainer's rollouts.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ any task of the container running, e.g. bytes queued into a pipe or socket the c
 not read yet (a writer outside the container). The exec'd command of an action is itself a task of the
 cgroup only while it runs; it is gone when the action committed. Anything unreadable gives None: unknown,
 so a checkpoint is taken.
+
+Owns: detecting file-system and process changes since the last checkpoint. Must not: take checkpoints.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ committed actions may be replayed exactly when the environment is declared deter
 
 Every checkpoint carries the context of the boundaries up to its own, so a process other than the one that
 took it (on another node, reading a shared store) resumes the trajectory from it: `TrajectoryRecorder.resume`.
+
+Owns: action boundaries, the checkpoint/restore cycle of one trajectory and the LLM context's rollback to the
+same boundary. Must not: choose engines or generate tokens.
 """
 
 from __future__ import annotations

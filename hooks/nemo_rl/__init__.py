@@ -6,6 +6,8 @@
 
 Toggle per experiment: `policy.generation.sglang_cfg.use_fault_tolerance=true|false`; knobs under
 `policy.generation.sglang_cfg.belayer` (recipes/nemo_rl/belayer.yaml).
+
+Owns: the NeMo-RL hook's entry. Must not: hold logic (generation.py and env.py do).
 """
 
 from belayer_plugin.hooks.nemo_rl.generation import (

@@ -9,6 +9,8 @@ after streaming, `/flush_cache` is retried (1 s apart, up to 60 tries). Replaced
 (ForkingPickler of CUDA tensors, opened by an engine on the same GPU) by the tensor bytes themselves
 (`encode_cpu_bucket`: torch.save of the flattened bucket, base64), and the Gloo gather across the TP ranks of
 an engine by each engine's first rank sending the full tensors. Not for production use.
+
+Owns: the CPU stand-in for NeMo-RL's policy refit calls. Must not: be used on a GPU run.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ committed boundary (or replayed committed actions exactly, for environments decl
 failed action is reported as not applied and the episode goes on; otherwise the episode ends with
 `metadata["belayer"]["inconsistent"] = True` and reward 0, so the sample can be dropped, never trained on a
 context that disagrees with the environment.
+
+Owns: the NeMo-RL sandbox environment. Must not: choose engines.
 """
 
 from __future__ import annotations

@@ -54,6 +54,9 @@ flags and carries the driver's CUDA_VISIBLE_DEVICES, so the server sees the same
 Not carried over: the SGLANG_* environment defaults NeMo-RL writes inline in _start_engines (not callable
 without copying them; one of them, SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false, would make /health_generate,
 Belayer's readiness probe, answer without generating); set them in the Ray workers' environment if wanted.
+
+Owns: the generation backend that puts a FleetManager under NeMo-RL. Must not: hold fault-tolerance logic of
+its own (the fleet and the generator do).
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ SGLangGeneration subclass, which is NeMo-RL's class unchanged unless the recipe 
 
     belayer nemo-rl examples/run_grpo.py --config examples/configs/grpo_math_1B_sglang.yaml \\
         policy.generation.sglang_cfg.use_fault_tolerance=true
+
+Owns: running a NeMo-RL script with the hook installed. Must not: change the script.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Where NeMo-RL's own source comes from when it is not installed (it is not on PyPI): a source checkout on
-sys.path, e.g. ../shared/upstream/nemo-rl beside the repository (BELAYER_NEMO_RL overrides)."""
+sys.path, e.g. ../shared/upstream/nemo-rl beside the repository (BELAYER_NEMO_RL overrides).
+
+Owns: locating NeMo-RL's source. Must not: install or change NeMo-RL.
+"""
 
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ Importing it registers Belayer's parts with verl:
 - `attach_fleet(fleet, balancer)`: the Belayer health monitor and restart policy driving the balancer's
   membership when the rollout servers are Belayer engines.
 See recipes/verl/ for what a recipe adds.
+
+Owns: registering Belayer's parts with verl. Must not: change verl's behaviour unless a recipe switches
+Belayer on.
 """
 
 from belayer_plugin.hooks.verl.balancer import BelayerLoadBalancer

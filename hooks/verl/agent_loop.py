@@ -12,6 +12,8 @@ deaths are resumed token-level underneath).
 Sandboxes come from `sandbox_provider(trajectory_id, cfg) -> (Sandbox, CheckpointStore, setup or None)`:
 by default `sandbox_from_config` (the recipe's `belayer.sandbox` section); tests and users may set
 `SandboxAgentLoop.sandbox_provider` to their own.
+
+Owns: the sandbox agent loop for verl. Must not: choose engines (verl's balancer and Belayer's client do).
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ own (sticky by request id, then least in-flight); Belayer adds membership:
   trainer's values at start-up): a new request goes to the server
   its request id hashes to (a hash that is the same in every process and run, unlike Python's `hash`), whatever
   the load; with fault tolerance off, verl's own formula.
+
+Owns: the balancer's view of which servers are admitted. Must not: restart servers (hooks/verl/recovery.py
+does).
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ on); SGLang's server reports `stop` / `length` / `abort` itself. In async traine
 verl's `FullyAsyncLLMServerClient`), an abort from a weight sync is not a failure: the committed tokens are
 kept and the aborted chunk goes again on the same server once it resumes generation (bounded by
 `recovery.request_timeout_s`), as verl's own client waits and continues.
+
+Owns: token-level resume inside verl's client. Must not: restart servers.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ while serving), restarts them under its bounded policy and refits them to the cu
 mirrors the fleet's membership into the balancer: an engine leaves the balancer as soon as it is DEAD (or
 RETIRED, RESTARTING or STALE) and its replacement joins once HEALTHY with current weights. Every change the
 balancer confirms is an event (component "verl": `evicted` / `admitted`), so tests and reports can await it.
+
+Owns: attaching a FleetManager to verl's balancer. Must not: duplicate the fleet's logic.
 """
 
 from __future__ import annotations

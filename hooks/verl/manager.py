@@ -21,6 +21,8 @@ With `belayer.use_fault_tolerance=false` they hand verl's own client through unt
 - v1 trainer (`trainer.use_v1=true`, verl's default): `belayer_plugin.hooks.verl.manager.BelayerAgentLoopManager`
   (verl's AgentLoopManagerTQ: needs the TransferQueue package, as verl's v1 trainer itself does);
 - legacy trainer: `belayer_plugin.hooks.verl.manager.BelayerLegacyAgentLoopManager` (verl's AgentLoopManager).
+
+Owns: the agent loop managers a recipe names. Must not: hold recovery logic (hooks/verl/recovery.py does).
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ sync itself, then admitted. The legacy trainer loads it from `actor_rollout_ref.
 verl's v1 trainer builds its CheckpointEngineManager directly (no such option), so there Belayer's agent loop
 manager heals the replicas before each rollout instead (`heal_in_place`; Belayer replicas only, since it must
 also bring the new server to the current weights itself).
+
+Owns: restarting verl's replicas under Belayer's policy. Must not: be imported by hooks/verl/replica.py (the
+recovery it uses is registered there).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ With fault tolerance on (in `rollout.custom.belayer`), the replica's lifecycle c
 that died: they note it (`dead`) and skip it, so a trainer that gathers over all replicas (verl's own
 CheckpointEngineManager, v1) does not fail on it; Belayer's recovery (hooks/verl/recovery.py) restarts it
 through `launch_servers`. Off, they raise as verl's replicas do.
+
+Owns: the `belayer` replica kind and this process's current recovery. Must not: import hooks/verl/recovery.py.
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ functional script replace exactly two things, and nothing above them:
 verl's replica class, its `launch_servers` / `sleep` / `wake_up` / `abort_all_requests` /
 `resume_generation`, verl's CheckpointEngineManager, LLMServerManager, agent loop workers and clients stay
 real. Never used by a user's run.
+
+Owns: test stand-ins for verl's server actors. Must not: be used outside tests and CPU runs.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ How verl picks them up (verl 0.9.1, read from its source):
   `BelayerReplayBuffer` is verl's ReplayBuffer (ReplayBufferAsync in the async modes) whose `sample()` adds
   the take, so the logger gets `belayer/<name>`. With `trainer.v1.<mode>.parameter_sync_step` > 1 verl's
   aggregator averages the per-iteration values of a step (the `*_max` ones: their maximum).
+
+Owns: Belayer's metrics in verl's step metrics. Must not: change what verl logs beyond adding Belayer's keys.
 """
 
 from __future__ import annotations
