@@ -11,7 +11,7 @@ import signal
 import psutil
 import pytest
 
-from belayer_plugin.fleet import manager as manager_mod
+from belayer_plugin.fleet import recovery as recovery_mod  # where the fleet fences (FleetManager._kill)
 from tests.test_fleet_recovery import running_fleet
 
 pytestmark = pytest.mark.asyncio
@@ -41,7 +41,7 @@ async def test_an_engine_on_another_node_is_killed_through_its_actor_never_by_a_
             os.kill(actor_pid, signal.SIGSTOP)
         try:
             with monkeypatch.context() as m:  # os.killpg is the process's own: undone before the fleet stops
-                m.setattr(manager_mod.os, "killpg", lambda pid, sig: local_signals.append((pid, sig)))
+                m.setattr(recovery_mod.os, "killpg", lambda pid, sig: local_signals.append((pid, sig)))
                 await fm._kill(s)
             assert local_signals == [], "the driver signalled a PID read from another node"
             assert await _gone(server), "the engine's server outlived the fence"

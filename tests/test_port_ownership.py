@@ -270,7 +270,7 @@ async def test_sglang_server_given_a_port_another_process_holds_serves_its_first
 
     cfg = _sglang_cfg()
     async with foreign_server() as foreign:
-        monkeypatch.setattr("belayer_plugin.engines.launch.free_port", ports_then_free(foreign.port))
+        monkeypatch.setattr("belayer_plugin.engines.address.free_port", ports_then_free(foreign.port))
         proc, url, _ = await asyncio.to_thread(start_sglang_server, cfg, tiny_model, tmp_path / "server.log")
         try:
             port = int(url.rsplit(":", 1)[1])
