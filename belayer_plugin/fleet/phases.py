@@ -1,8 +1,8 @@
 """Phases and memory: serving, paused, released (engine memory given to the trainer) and refit.
 
-Owns: `phase`, `memory_released`, `_standby_refit_due`, and each slot's `released` memory tags (SGLang dies
-when asked to resume a tag it does not hold released). Must not: load weights or act on health; readiness
-probes are paused and resumed through the monitor only.
+Owns: `phase` (a refit sets REFIT for its duration: fleet/refit.py), `memory_released`, `_standby_refit_due`,
+and each slot's `released` memory tags (SGLang dies when asked to resume a tag it does not hold released).
+Must not: load weights or act on health; readiness probes are paused and resumed through the monitor only.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Owns: `weights` (the fleet's version and where its weights are) and the rule that an engine serving any other
 version is STALE or fenced, never routed. Covers Belayer's own refit (load from disk), refits the trainer
 streams itself (begin/adopt/end_external_refit) and the refused-load retry after a cache flush. Must not: kill
-or restart engines itself (a fenced engine goes to recovery through `_on_signal`), or change memory phases
-except through fleet/phases.py.
+or restart engines itself (a fenced engine goes to recovery through `_on_signal`), or release and resume engine
+memory other than through fleet/phases.py (`_memory_call`, `_resume_tags`, `_back_to_serving`).
 """
 
 from __future__ import annotations
