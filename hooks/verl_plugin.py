@@ -5,7 +5,11 @@ verl 0.9.1 imports every entry point of its `verl.plugins` group at `import verl
 level only (verl/__init__.py), so a broken install would surface later as OmegaConf's "Unsupported interpolation
 type belayer_recipe" or an unknown class name. Here the failure is logged as an error and printed, and
 `${belayer_recipe:...}` is registered to raise it with its cause: the recipe's first Belayer line names it.
-This module must stay light: it runs in every verl process."""
+This module must stay light: it runs in every verl process.
+
+Owns: importing the verl hook at `import verl` and making its failure visible. Must not: import anything heavy
+itself (it runs in every verl process).
+"""
 
 from __future__ import annotations
 

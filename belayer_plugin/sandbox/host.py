@@ -7,6 +7,9 @@ cgroup is recreated in) and the same container image (the writable layer is repl
 file-system-only checkpoint needs only the image and the architecture. The signature is recorded in the
 checkpoint's manifest when it is taken and compared at restore time (`mismatches`): a checkpoint from an
 incompatible host is refused (`CheckpointIncompatible`), never restored.
+
+Owns: the host signature (CRIU, kernel, architecture, cgroup layout, image id) and comparing two. Must not:
+take, publish or restore checkpoints (sandbox/checkpoint.py does).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ passes on one node and fails on the next, so `check_shared_store` proves it: the
 with a random token, a task on every alive node reads it back and writes its own probe beside it, and the
 driver reads those. A node that cannot see the driver's probe (its own local directory of that name) or
 cannot write, or that does not answer in time, is named in the error.
+
+Owns: proving the checkpoint store (and run directory) is one shared writable directory on every node. Must
+not: read or write checkpoints.
 """
 
 from __future__ import annotations
