@@ -132,7 +132,7 @@ class Hold:
     admitted: bool  # already running (has had a segment): never turned away, whatever max_waiting says
     max_waiting: int  # recovery.max_waiting: a new request may join only while fewer wait
     # Called with what is awaited when the wait begins, and again when it turns into a hold (or back).
-    on_wait: Optional[Callable[[str], None]] = None
+    on_wait: Optional[Callable[[str, bool], None]] = None  # (what it awaits, held: the fleet is bringing one back)
 
 
 class Selector(Protocol):
@@ -221,7 +221,7 @@ class FleetSelector:
                     if hold is not None and hold.on_wait is not None and held is not bool(back):
                         held = bool(back)  # told when the wait begins and when it becomes a hold (or stops)
                         hold.on_wait(f"an engine the fleet is bringing back ({', '.join(back)})" if back
-                                     else f"a serving engine ({e}; recovery.stall_timeout_s={timeout:g})")
+                                     else f"a serving engine ({e}; recovery.stall_timeout_s={timeout:g})", held)
                     await self.fleet.wait_changed(left)  # woken by the fleet's next state change
         finally:
             if counted:
@@ -404,10 +404,10 @@ class ResumableGenerator:
             return await self.selector.pick(exclude, self.cfg.stall_timeout_s)
         t0 = time.monotonic()
 
-        def on_wait(awaited: str) -> None:
+        def on_wait(awaited: str, held: bool) -> None:
             self.waiting[log.rid] = awaited
             self.events.emit("recovery", log.rid, "waiting_for_engine", f"no serving engine: waiting for {awaited}",
-                             level="warning", committed=log.committed, held=awaited.startswith("the fleet"),
+                             level="warning", committed=log.committed, held=held,
                              waiting=getattr(self.selector, "n_waiting", None))
 
         hold = Hold(until, admitted=bool(log.segments), max_waiting=self.cfg.max_waiting, on_wait=on_wait)
