@@ -110,9 +110,12 @@ def belayer_cfg(*overrides: str):
     return cfg
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def ray_cluster():
-    """One local Ray cluster on loopback for the whole session (start-up costs ~3 s)."""
+    """One local Ray cluster on loopback for the whole session (start-up costs ~3 s). Autouse: a test that
+    reaches Ray without asking for it (a FleetManager started by a helper) would otherwise make Ray start itself
+    with its defaults, on the address of the interface that routes outward (eth0 here), and every later test of
+    the session would get that cluster from init_ray (CI saw engines advertise eth0's address)."""
     import ray
 
     from belayer_plugin.ray_cluster import init_ray
