@@ -7,20 +7,29 @@ Every detector watches the SAME engines at the same time, so each fault is timed
   past its own adaptive threshold is probed at once, `monitor.progress`), through FleetManager, which also
   repairs the engine. The load goes through Belayer's token-level client (ResumableGenerator over the
   fleet), as a trainer's requests do with Belayer on; that is where the token progress comes from.
-- nemo_rl: NeMo-RL's merged fleet health (nemo_rl/models/generation/fleet_health.py and
-  algorithms/single_controller.py): every 5 s, all serving shards probed concurrently through the worker
-  actor (`is_alive`, here the engine actor's `ping`), 2 s timeout, DEAD after 3 consecutive failures.
+- nemo_rl: NeMo-RL's own fleet health, imported from its source (../shared/upstream/nemo-rl):
+  `GenerationFleetHealth` (the state machine: HEALTHY, SUSPECT, DEAD) with its `FleetHealthConfig` defaults
+  (probe every 5 s, 2 s timeout, DEAD after 3 consecutive failures), fed as its SingleController feeds it
+  (`_probe_generation_fleet`: every serving shard probed concurrently through its generation worker's
+  `is_alive`; here the engine actor's `ping`, since NeMo-RL's vLLM worker cannot run here); detected when
+  the shard leaves its serving set. Its other input, the request failures its GenerationRouter drains into
+  `report_failure`, is not fed: that router forwards only OpenAI routes (/v1/chat/completions ...), which the
+  CPU engine does not serve, and it counts a failure only when a request errors or passes its
+  backend_timeout_s (600 s by default), so it would not change a figure here.
 - slime: `--use-fault-tolerance` heartbeat: `/health_generate` to each server in turn every 10 s with a 5 s
   timeout; one timeout or error stops the server (the 300 s first wait is left out).
 - router: a real sglang-router 0.3.2 with its own defaults (health check every 60 s, 5 s timeout, 3
   failures, endpoint /health), the engines registered as workers; detected when /workers says unhealthy.
 
 Faults: `sigkill` SIGKILLs the engine's actor process (the engine dies with it, as a vLLM/SGLang worker
-does); `hang` SIGSTOPs the engine's actor and server (a wedged engine: the process exists, answers nothing).
+does); `hang` SIGSTOPs the engine's actor and server (a wedged engine: the process exists, answers nothing);
+`hang_server` SIGSTOPs the server alone (a wedged engine core whose worker process still answers: NeMo-RL's
+`is_alive` probe keeps answering from the actor).
 Load: streaming greedy requests kept in flight on every engine throughout (two per engine).
 
-Last line: RESULT ratio=.. hang_ratio=.. belayer_kill_s=.. nemo_rl_kill_s=.. slime_kill_s=.. router_kill_s=..
-  belayer_hang_s=.. nemo_rl_hang_s=.. slime_hang_s=.. router_hang_s=.. trials=..
+Last line: RESULT ratio=.. hang_ratio=.. server_hang_ratio=.. belayer_kill_s=.. nemo_rl_kill_s=.. slime_kill_s=..
+  router_kill_s=.. belayer_hang_s=.. nemo_rl_hang_s=.. ... belayer_server_hang_s=.. nemo_rl_server_hang_s=..
+  trials=.. ("never": not detected within the trial's wait)
   ratio: NeMo-RL's median SIGKILL detection / Belayer's; hang_ratio: the same for the hang (medians);
   belayer_hang_p50_s: Belayer's median hang detection; hang_by: the signals that found the hangs;
   false_alarms: progress suspicions of a healthy engine, over a fault-free load of calm_s seconds first and
@@ -55,31 +64,55 @@ from belayer_plugin.fleet.manager import FleetManager  # noqa: E402
 from belayer_plugin.generation.resumable import FleetSelector, ResumableGenerator  # noqa: E402
 from belayer_plugin.ray_cluster import init_ray  # noqa: E402
 
-NEMO_RL = dict(interval=5.0, timeout=2.0, threshold=3)
 SLIME = dict(interval=10.0, timeout=5.0)
 ROUTER = dict(interval=60, timeout=5, threshold=3)
 
 
 class NemoRLFleetHealth:
-    """Every `interval`: ping every engine actor concurrently (timeout each); DEAD after `threshold` misses."""
+    """NeMo-RL's GenerationFleetHealth with its FleetHealthConfig defaults, probed as its SingleController's
+    `_probe_generation_fleet` probes it: on its own clock, every serving shard at once, each `is_alive` bounded
+    by probe_timeout_s, the result folded in with `record_probe`. `dead` maps a shard to the wall time it left
+    the serving set."""
 
     def __init__(self, actors: dict[str, Any]):
-        self.actors, self.fails, self.dead = dict(actors), {k: 0 for k in actors}, {}
+        from belayer_plugin.hooks.nemo_rl.upstream import ensure_importable
+
+        ensure_importable()
+        if sys.version_info < (3, 12):  # as upstream.import_grpo: pydantic refuses typing.TypedDict below 3.12
+            import typing
+
+            import typing_extensions
+
+            typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
+        from nemo_rl.algorithms.single_controller_utils.config import FleetHealthConfig
+        from nemo_rl.models.generation.fleet_health import FleetHealthPolicy, GenerationFleetHealth
+
+        self.cfg = FleetHealthConfig(enabled=True)
+        self.sids = list(actors)
+        self.actors = actors
+        self.fleet = GenerationFleetHealth(shard_count=len(self.sids), policy=FleetHealthPolicy(
+            unhealthy_threshold=self.cfg.unhealthy_threshold, healthy_threshold=self.cfg.healthy_threshold,
+            max_restart_attempts_per_shard=self.cfg.max_restart_attempts_per_shard,
+            min_healthy_shards=self.cfg.min_healthy_shards))
+        self.dead: dict[str, float] = {}
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(NEMO_RL["interval"])
+            await asyncio.sleep(self.cfg.probe_interval_s)
 
-            async def probe(sid: str, actor: Any) -> None:
+            async def probe(idx: int) -> None:
                 try:
-                    await asyncio.wait_for(actor.ping.remote(), NEMO_RL["timeout"])
-                    self.fails[sid] = 0
-                except (Exception, asyncio.TimeoutError):
-                    self.fails[sid] += 1
-                    if self.fails[sid] >= NEMO_RL["threshold"] and sid not in self.dead:
-                        self.dead[sid] = time.time()
+                    await asyncio.wait_for(self.actors[self.sids[idx]].ping.remote(), self.cfg.probe_timeout_s)
+                except (Exception, asyncio.TimeoutError) as error:
+                    self.fleet.record_probe(idx, ok=False, error=f"{type(error).__name__}: {error}")
+                else:
+                    self.fleet.record_probe(idx, ok=True)
 
-            await asyncio.gather(*(probe(s, a) for s, a in self.actors.items() if s not in self.dead))
+            await asyncio.gather(*(probe(idx) for idx in self.fleet.serving_shards()))
+            serving = set(self.fleet.serving_shards())
+            for idx, sid in enumerate(self.sids):
+                if idx not in serving and sid not in self.dead:
+                    self.dead[sid] = time.time()
 
 
 class SlimeHeartbeat:
@@ -182,10 +215,11 @@ async def trial(fm: FleetManager, kind: str, sid: str, client: httpx.AsyncClient
         await router.set_workers(client, urls)
         tasks.append(asyncio.create_task(router.run(client)))
     # a random phase of every periodic detector
-    await asyncio.sleep(random.uniform(0, max(NEMO_RL["interval"], SLIME["interval"])))
-    if kind == "hang":
+    await asyncio.sleep(random.uniform(0, max(nemo.cfg.probe_interval_s, SLIME["interval"])))
+    if kind != "sigkill":
         await under_load(fm, slot, client)
-    pids = [slot.info.actor_pid] + ([slot.info.pid] if kind == "hang" else [])
+    pids = {"sigkill": [slot.info.actor_pid], "hang": [slot.info.actor_pid, slot.info.pid],
+            "hang_server": [slot.info.pid]}[kind]
     t0 = time.time()
     for p in pids:
         os.kill(p, signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
@@ -202,7 +236,13 @@ async def trial(fm: FleetManager, kind: str, sid: str, client: httpx.AsyncClient
     print(f"    belayer: {det.figures.get('signal')}: {det.reason[:160]}", flush=True)
     signals.append(str(det.figures.get("signal")))
     out.update({k: (d[sid] - t0 if sid in d else None) for k, d in arms.items()})
-    if kind == "hang":
+    if kind == "hang_server" and out["nemo_rl"] is not None and out["nemo_rl"] >= out["belayer"]:
+        # Its probe answers from the live actor while the server alone is stopped: it can only have seen the
+        # engine gone once Belayer fenced it (killing the actor). Not a detection of its own.
+        print(f"    nemo_rl: its probe failed only after Belayer fenced the engine ({out['nemo_rl']:.2f} s): never "
+              f"on its own", flush=True)
+        out["nemo_rl"] = None
+    if kind != "sigkill":
         for p in pids:
             try:
                 os.kill(p, signal.SIGKILL)  # Belayer fenced it already; make sure nothing stays stopped
@@ -260,11 +300,11 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"{cfg.engines.num_engines} CPU engines under load; Belayer: probe_interval_s={m.probe_interval_s} "
           f"probe_timeout_s={m.probe_timeout_s} failure_threshold={m.failure_threshold} + Ray liveness + token "
           f"progress (floor_s={m.progress.floor_s} gap_multiplier={m.progress.gap_multiplier} "
-          f"confirm_timeout_s={m.progress.confirm_timeout_s}, enabled={m.progress.enabled}); NeMo-RL "
-          f"fleet health {NEMO_RL}; slime {SLIME}; sglang-router 0.3.2 defaults {ROUTER if router else '(skipped)'}; "
+          f"confirm_timeout_s={m.progress.confirm_timeout_s}, enabled={m.progress.enabled}); NeMo-RL's "
+          f"GenerationFleetHealth with FleetHealthConfig's defaults; slime {SLIME}; sglang-router 0.3.2 defaults {ROUTER if router else '(skipped)'}; "
           f"{args.trials} trial(s) per fault; a detector silent for {wait_s:.0f} s reads 'never'")
     res: dict[str, dict[str, list[Optional[float]]]] = {}
-    by: dict[str, list[str]] = {"sigkill": [], "hang": []}
+    by: dict[str, list[str]] = {"sigkill": [], "hang": [], "hang_server": []}
     false_alarms: list = []
     if args.calm_s > 0:  # fault-free load first: every progress suspicion here is a false alarm
         t_calm = time.time()
@@ -272,7 +312,7 @@ async def main_async(args: argparse.Namespace) -> None:
         false_alarms.extend(_progress_alarms(fm, t_calm))
         print(f"  calm load {args.calm_s:.0f} s: {len(false_alarms)} progress suspicion(s)", flush=True)
     try:
-        for kind in ("sigkill", "hang"):
+        for kind in ("sigkill", "hang", "hang_server"):
             res[kind] = {}
             for i in range(args.trials):
                 r = await trial(fm, kind, f"engine-{i % cfg.engines.num_engines}", client, router, wait_s, by[kind],
@@ -302,7 +342,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
         print(f"{kind:7s} medians: " + "  ".join(f"{k} {fmt(v)} s ({spread(arms[k])}, {sum(x is None for x in arms[k])} never)"
                                                   for k, v in meds.items()))
-        tag = "kill" if kind == "sigkill" else "hang"
+        tag = {"sigkill": "kill", "hang": "hang", "hang_server": "server_hang"}[kind]
         for k, v in meds.items():
             figures.append(f"{k}_{tag}_s={v:.3f}" if v is not None else f"{k}_{tag}_s=never")
         b, n = meds["belayer"], meds["nemo_rl"]
@@ -310,6 +350,7 @@ async def main_async(args: argparse.Namespace) -> None:
     hb = med(res["hang"]["belayer"])
     hang_by = ",".join(sorted(set(by["hang"]))) or "-"
     print(f"RESULT ratio={ratios['sigkill']:.1f} hang_ratio={ratios['hang']:.2f} "
+          f"server_hang_ratio={ratios['hang_server']:.2f} "
           f"belayer_hang_p50_s={'never' if hb is None else f'{hb:.3f}'} hang_by={hang_by} "
           f"false_alarms={len(false_alarms)} calm_s={args.calm_s:.0f} " + " ".join(figures) + f" trials={args.trials}")
 
