@@ -130,14 +130,9 @@ class V1Run:
         return rows, {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
 
     def close(self) -> None:
-        import ray
+        from tests.test_hooks_verl_replicas import close_run
 
-        for w in self.agents.agent_loop_workers:
-            ray.kill(w, no_restart=True)
-        for r in self.servers.get_replicas():
-            for s in r.servers:
-                ray.kill(s, no_restart=True)
-        ray.kill(self.lb, no_restart=True)
+        close_run(self)  # agent loop workers, server actors, balancer
         self.workers.close()
 
 
