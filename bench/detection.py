@@ -75,15 +75,9 @@ class NemoRLFleetHealth:
     the serving set."""
 
     def __init__(self, actors: dict[str, Any]):
-        from belayer_plugin.hooks.nemo_rl.upstream import ensure_importable
+        from belayer_plugin.hooks.nemo_rl.upstream import ensure_importable_configs
 
-        ensure_importable()
-        if sys.version_info < (3, 12):  # as upstream.import_grpo: pydantic refuses typing.TypedDict below 3.12
-            import typing
-
-            import typing_extensions
-
-            typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
+        ensure_importable_configs()
         from nemo_rl.algorithms.single_controller_utils.config import FleetHealthConfig
         from nemo_rl.models.generation.fleet_health import FleetHealthPolicy, GenerationFleetHealth
 
@@ -301,7 +295,8 @@ async def main_async(args: argparse.Namespace) -> None:
           f"probe_timeout_s={m.probe_timeout_s} failure_threshold={m.failure_threshold} + Ray liveness + token "
           f"progress (floor_s={m.progress.floor_s} gap_multiplier={m.progress.gap_multiplier} "
           f"confirm_timeout_s={m.progress.confirm_timeout_s}, enabled={m.progress.enabled}); NeMo-RL's "
-          f"GenerationFleetHealth with FleetHealthConfig's defaults; slime {SLIME}; sglang-router 0.3.2 defaults {ROUTER if router else '(skipped)'}; "
+          f"GenerationFleetHealth with FleetHealthConfig's defaults; slime {SLIME}; "
+          f"sglang-router 0.3.2 defaults {ROUTER if router else '(skipped)'}; "
           f"{args.trials} trial(s) per fault; a detector silent for {wait_s:.0f} s reads 'never'")
     res: dict[str, dict[str, list[Optional[float]]]] = {}
     by: dict[str, list[str]] = {"sigkill": [], "hang": [], "hang_server": []}

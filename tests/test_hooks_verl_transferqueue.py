@@ -32,6 +32,31 @@ STORAGE_UNITS = 1  # + the controller: the Ray CPUs TransferQueue holds while it
 TQ_START_S = 120.0
 
 
+def start_transfer_queue(cfg, storage_units: int) -> None:
+    """tq.init(config.transfer_queue) as verl's main_ppo calls it (transfer_queue.enable=True), with
+    `storage_units` SimpleStorage units; raises RuntimeError when it has not started within TQ_START_S (tq.init's
+    own waits are unbounded, so it runs in a thread joined with that bound)."""
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    cfg.transfer_queue.enable = True
+    units = {"backend": {"SimpleStorage": {"num_data_storage_units": storage_units}}}
+    conf = OmegaConf.merge(cfg.transfer_queue, units)
+    started: dict = {}
+
+    def start() -> None:
+        try:
+            started["conf"] = tq.init(conf)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            started["error"] = e
+
+    th = threading.Thread(target=start, daemon=True)
+    th.start()
+    th.join(TQ_START_S)
+    if th.is_alive() or "conf" not in started:
+        raise RuntimeError(f"TransferQueue did not start within {TQ_START_S:g} s: {started.get('error')!r}")
+
+
 @pytest.fixture(scope="module")
 def live(ray_cluster):
     """Belayer's balancer actor over two (stand-in) server actors, then TransferQueue, started for real."""
@@ -59,25 +84,11 @@ def live(ray_cluster):
         if free < need:
             pytest.fail(f"TransferQueue needs {need} free Ray CPUs (controller + {STORAGE_UNITS} storage unit), "
                         f"the cluster has {free}: tq.init would wait forever")
-        cfg = _verl_config()
-        cfg.transfer_queue.enable = True  # as main_ppo.run, which then calls tq.init(config.transfer_queue)
-        tq_conf = OmegaConf.merge(cfg.transfer_queue,
-                                  {"backend": {"SimpleStorage": {"num_data_storage_units": STORAGE_UNITS}}})
-        started: dict = {}
-
-        def start() -> None:
-            try:
-                started["conf"] = tq.init(tq_conf)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                started["error"] = e
-
         t0 = time.monotonic()
-        th = threading.Thread(target=start, daemon=True)
-        th.start()
-        th.join(TQ_START_S)  # tq.init's own waits are unbounded
-        if th.is_alive() or "conf" not in started:
-            pytest.fail(f"TransferQueue did not start within {TQ_START_S:g} s: {started.get('error')!r} "
-                        f"(free Ray resources: {ray.available_resources()})")
+        try:
+            start_transfer_queue(_verl_config(), STORAGE_UNITS)
+        except RuntimeError as e:
+            pytest.fail(f"{e} (free Ray resources: {ray.available_resources()})")
         print(f"TransferQueue started in {time.monotonic() - t0:.1f} s")
         yield SimpleNamespace(tq=tq, lb=lb, servers=servers)
     finally:

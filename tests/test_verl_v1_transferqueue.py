@@ -28,7 +28,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -40,7 +39,6 @@ pytest.importorskip("transfer_queue", reason="verl's v1 trainer needs TransferQu
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 600
-TQ_START_S = 120.0
 ROLLOUT_S = 240.0  # one step's trajectories in TransferQueue (4 requests of 40 tokens, a restart on 2 cores)
 FIELDS = ["uid", "session_id", "responses", "input_ids", "rollout_log_probs", "extra_fields"]
 
@@ -170,27 +168,6 @@ def _step(run: V1Run, messages: list[str], victim=None) -> dict:
     return rec
 
 
-def _start_transfer_queue(cfg) -> None:
-    import transfer_queue as tq
-    from omegaconf import OmegaConf
-
-    cfg.transfer_queue.enable = True  # as TaskRunnerV1.run
-    conf = OmegaConf.merge(cfg.transfer_queue, {"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
-    started: dict = {}
-
-    def start() -> None:
-        try:
-            started["conf"] = tq.init(conf)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            started["error"] = e
-
-    th = threading.Thread(target=start, daemon=True)
-    th.start()
-    th.join(TQ_START_S)  # tq.init's own waits are unbounded
-    if th.is_alive() or "conf" not in started:
-        raise RuntimeError(f"TransferQueue did not start within {TQ_START_S:g} s: {started.get('error')!r}")
-
-
 def run_v1(model: str, tmp: Path) -> dict:
     import ray
 
@@ -199,7 +176,9 @@ def run_v1(model: str, tmp: Path) -> dict:
     cfg = verl_config(model, tmp, legacy=False)  # the recipe's v1 manager, verl's default trainer
     cfg.actor_rollout_ref.rollout.name = "vllm"  # verl's own replica kind
     cfg.actor_rollout_ref.rollout.custom = {"belayer": {"engines": {"cpu_step_delay_ms": 8, "startup_timeout_s": 120}}}
-    _start_transfer_queue(cfg)
+    from tests.test_hooks_verl_transferqueue import start_transfer_queue
+
+    start_transfer_queue(cfg, 1)
     run = V1Run(cfg)
     rep: dict = {"manager": f"{type(run.agents).__module__}.{type(run.agents).__qualname__}",
                  "manager_bases": [f"{c.__module__}.{c.__qualname__}" for c in type(run.agents).__mro__],

@@ -36,9 +36,9 @@ def ensure_importable(repo_root: Optional[Path] = None) -> Path:
     return src
 
 
-def import_grpo() -> ModuleType:
-    """nemo_rl.algorithms.grpo. NeMo-RL targets Python >= 3.13; below 3.12 pydantic refuses typing.TypedDict in
-    its configs, so typing.TypedDict is aliased to typing_extensions' (the same class from 3.12 on)."""
+def ensure_importable_configs() -> None:
+    """ensure_importable, and NeMo-RL's pydantic configs importable below Python 3.12: pydantic refuses
+    typing.TypedDict there, so it is aliased to typing_extensions' (the same class from 3.12 on)."""
     ensure_importable()
     if sys.version_info < (3, 12):
         import typing
@@ -46,6 +46,12 @@ def import_grpo() -> ModuleType:
         import typing_extensions
 
         typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
+
+
+def import_grpo() -> ModuleType:
+    """nemo_rl.algorithms.grpo. NeMo-RL targets Python >= 3.13; below 3.12 pydantic refuses typing.TypedDict in
+    its configs, so typing.TypedDict is aliased to typing_extensions' (the same class from 3.12 on)."""
+    ensure_importable_configs()
     import nemo_rl.algorithms.grpo as grpo  # noqa: PLC0415
 
     return grpo
