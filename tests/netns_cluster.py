@@ -170,8 +170,11 @@ class NetnsCluster:
 
     def env(self) -> dict[str, str]:
         """The environment every process of the cluster needs (and the driver: `connect()` reads it)."""
+        # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1: the test session's own loopback Ray (belayer_plugin.ray_cluster)
+        # sets it to 0 in os.environ, and a `ray start` that inherits 0 refuses to join as a worker node.
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, MARKER: self.run_id,
-                "RAY_USAGE_STATS_ENABLED": "0", ENV_VAR: json.dumps(self.describe())}
+                "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
+                ENV_VAR: json.dumps(self.describe())}
 
     def _ray_argv(self, n: Node, ports: list[int]) -> list[str]:
         # Every agent port given: with none, the raylet waits for the agents to write theirs to files, and
