@@ -25,6 +25,17 @@ log() { printf '[setup] %s\n' "$*"; }
 . .ci/lib.sh
 pip_q() { pip_in .venv "$@"; }
 
+# The SGLang venv and the container runtimes share nothing with .venv: they install beside it (a clean
+# clone's set-up was ~5 of CI's minutes, one after another). verl and NeMo-RL install into .venv: after it.
+side_logs=$(mktemp -d /tmp/belayer-setup-XXXXXX)
+side_pids=()
+side() {  # side NAME SCRIPT: runs a set-up script in the background, its output kept for the end
+  bash "$2" > "$side_logs/$1.log" 2>&1 &
+  side_pids+=("$!:$1")
+}
+if [ $want_sglang = 1 ]; then side sglang .ci/setup_sglang.sh; fi
+if [ $want_containers = 1 ]; then side containers .ci/setup_containers.sh; fi
+
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $($PY --version)"
   $PY -m venv .venv
@@ -39,8 +50,15 @@ if needs_install "$stamp" pyproject.toml .ci/constraints.txt; then
 fi
 .venv/bin/python -c "import torch, ray, transformers, sglang_router, hydra, mkdocs; print('[setup] .venv ok: torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__, 'mkdocs', mkdocs.__version__)"
 
-if [ $want_sglang = 1 ]; then bash .ci/setup_sglang.sh; fi
-if [ $want_containers = 1 ]; then bash .ci/setup_containers.sh; fi
 if [ $want_verl = 1 ]; then bash .ci/setup_verl.sh; fi
 if [ $want_nemo_rl = 1 ]; then bash .ci/setup_nemo_rl.sh; fi
+side_failed=0
+for entry in "${side_pids[@]}"; do
+  pid=${entry%%:*}; name=${entry#*:}
+  if wait "$pid"; then cat "$side_logs/$name.log"; else
+    cat "$side_logs/$name.log"; log "FAILED: setup_$name.sh (its output above)"; side_failed=1
+  fi
+done
+rm -rf "$side_logs"
+[ $side_failed = 0 ] || exit 1
 log "done"

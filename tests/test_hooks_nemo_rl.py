@@ -387,6 +387,11 @@ def test_engine_handed_over_mid_rollout_stays_stale_until_the_next_refit_streams
     assert _generated(pg) == golden, "the remaining engine serves the current weights"
 
     pg.finish_generation()
+    # the slot replaced during the rollout releases its memory with the others while the trainer trains
+    # (read from each server's own /get_server_info)
+    released = {sid: httpx.get(f"{s.info.url}/get_server_info", timeout=30).json()["memory_released"]
+                for sid, s in fm.slots.items()}
+    assert released == {"engine-0": True, "engine-1": True}, released
     pg.get_rollout_engine_urls()
     pins = pg.belayer_gateway._pins
     assert pins == {"engine-0": victim.info.url, "engine-1": fm.slots["engine-1"].info.url}, \
