@@ -67,6 +67,8 @@ def test_engines_serve_from_their_own_nodes_and_a_stream_killed_on_b_resumes_on_
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(os.environ.get("BELAYER_FULL_SUITE", "") != "1",
+                    reason="full suite: CI runs both faults at once in tests/test_netns_acceptance.py")
 def test_a_node_lost_under_load_is_detected_excluded_and_its_slot_moves_with_no_request_lost(cluster, tmp_path):
     fig = run_driver(__file__, cluster, tmp_path, TAG, 260, BELAYER_NETNS_SCENARIO="node_loss")
     assert fig["killed_processes"] > 0 and fig["requests"] > 0 and fig["lost"] == 0
@@ -75,6 +77,8 @@ def test_a_node_lost_under_load_is_detected_excluded_and_its_slot_moves_with_no_
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(os.environ.get("BELAYER_FULL_SUITE", "") != "1",
+                    reason="full suite: CI runs both faults at once in tests/test_netns_acceptance.py")
 def test_a_partitioned_node_is_detected_its_slot_moves_and_its_engine_is_never_routed_again(cluster, tmp_path):
     fig = run_driver(__file__, cluster, tmp_path, TAG, 260, BELAYER_NETNS_SCENARIO="partition")
     # B's link returned (at Belayer's detection, ~3 s) long before Ray declares a silent node dead (10 health
@@ -559,7 +563,9 @@ SCENARIOS = {"resume": scenario_resume, "node_loss": scenario_node_loss, "partit
              "sandbox_moves": scenario_sandbox_moves}
 
 
-def main(run_dir: str) -> None:
+def main(run_dir: str, scenarios: dict | None = None) -> None:
+    """The driver subprocess: joins the cluster, runs the scenario BELAYER_NETNS_SCENARIO names (from
+    `scenarios`, this module's by default) and prints its figures on one line tagged NETNS."""
     os.environ.setdefault("BELAYER_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "belayer"))
     from belayer_plugin.engines.tiny_model import ensure_tiny
     from tests.netns_cluster import connect
@@ -571,7 +577,7 @@ def main(run_dir: str) -> None:
     cluster = connect()
     join_s = round(time.monotonic() - t0, 1)
     try:
-        fig = asyncio.run(SCENARIOS[os.environ["BELAYER_NETNS_SCENARIO"]](cluster, Path(run_dir)))
+        fig = asyncio.run((scenarios or SCENARIOS)[os.environ["BELAYER_NETNS_SCENARIO"]](cluster, Path(run_dir)))
         fig["cluster_join_s"] = join_s
         print(f"{TAG} " + json.dumps(fig), flush=True)
     finally:
