@@ -240,7 +240,7 @@ class RestartConfig:
 class ShadowConfig:
     num_standby: int = _req()
     keep_warm: str = _one_of("refit", "on_handover")  # update standbys at each refit, or at handover
-    placement: str = _one_of("any", "spread", "pack")
+    placement: str = _one_of("any", "spread")  # any: Ray places standbys; spread: the node with the fewest
     handover_timeout_s: float = _req()
     release_memory_when_idle: bool = _req()  # SGLang on GPU: release weights + KV cache while standing by
     shared_weights: bool = _req()  # CPU engine: map weights from a shared-memory holder
@@ -248,9 +248,12 @@ class ShadowConfig:
     standby_nice: int = _req()  # a parked standby runs this much nicer (its refits yield the CPU); 0 at handover
     freeze_parked: bool = _req()  # a parked standby's Ray actor is SIGSTOPped between its refits (driver's node)
     freeze_breath_s: float = _req()  # a stopped standby is woken this often for one Ray call (gRPC keepalive)
+    rebalance_interval_s: float = _req()  # placement=spread: standbys per node checked this often; 0: never
 
     def problems(self) -> list[str]:
         out = []
+        if self.rebalance_interval_s < 0:
+            out.append("rebalance_interval_s: must be >= 0")
         if not 0 <= self.standby_nice <= 19:
             out.append("standby_nice: must be in 0..19")
         if self.freeze_breath_s <= 0:

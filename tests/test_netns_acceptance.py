@@ -76,7 +76,70 @@ def test_a_node_lost_and_another_cut_off_under_load_lose_no_request_and_the_traj
     assert a["restored_events"] == 1 and a["runtime_restored_id"]
 
 
-# -- the scenario (in the driver subprocess) -------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_nodes_that_join_get_a_standby_moved_to_them_by_spread_placement(cluster, tmp_path):
+    fig = run_driver(__file__, cluster, tmp_path, TAG, 260, BELAYER_NETNS_SCENARIO="standbys_join")
+    ips = {k: n.ip for k, n in cluster.nodes.items()}
+    print("NETNS_STANDBYS", fig)
+    assert fig["first"] == [ips["a"], ips["a"]]  # B and C down at the start: both standbys on A
+    assert fig["moved"] and fig["moved"]["to"] in (ips["b"], ips["c"]), fig["moved"]
+    assert sorted(fig["final"]) == sorted([ips["a"], fig["moved"]["to"]])  # one on A, one on a node that joined
+    # by the servers themselves: the moved one answers, the one it replaced on A is gone
+    assert fig["moved_answers"] == 200 and fig["stopped_answers"] is None, fig
+    assert fig["engine_states"] == {"engine-0": "HEALTHY"}
+
+
+# -- the scenarios (in the driver subprocess) ------------------------------------------------------------------
+
+
+async def scenario_standbys_join(cluster, run_dir: Path) -> dict:
+    """B and C down; one engine and two standbys spread over what is left (A); B and C join (new Ray nodes):
+    the pool moves one standby to them (a start there, then a stop on A)."""
+    import httpx
+
+    from belayer_plugin.events import EventLog
+    from belayer_plugin.fleet.manager import FleetManager
+    from tests.test_netns_multinode import ev, fleet_cfg, host_of
+
+    for node in ("b", "c"):
+        await asyncio.to_thread(cluster.kill_node, node)
+    deadline = time.monotonic() + 90
+    while {"b", "c"} & set(cluster.node_ids()):  # Ray declares a lost node dead by its health checks: no event
+        assert time.monotonic() < deadline, f"Ray still lists {cluster.node_ids()}"
+        await asyncio.sleep(0.5)
+    cfg = fleet_cfg("belayer.engines.num_engines=1", "belayer.shadow.num_standby=2", "belayer.shadow.placement=spread",
+                    "belayer.shadow.rebalance_interval_s=2", "belayer.shadow.freeze_parked=false")
+    fm = FleetManager(cfg, run_dir, EventLog(run_dir / "events.jsonl"), model_path=os.environ["BELAYER_TINY"])
+
+    def hosts() -> list[str]:
+        return sorted(host_of(sh.info.url) for sh in fm.shadows.ready)
+
+    async def answers(url: str):
+        try:
+            async with httpx.AsyncClient(trust_env=False) as c:
+                return (await c.get(url + "/get_server_info", timeout=10)).status_code
+        except httpx.HTTPError:
+            return None
+
+    await fm.start()
+    fig: dict = {"first": hosts()}
+    try:
+        t_back = time.time()
+        for node in ("b", "c"):
+            await asyncio.to_thread(cluster.restart_node, node)
+        moved = await fm.events.wait_for(ev("shadow_moved"), 150, since=t_back)
+        new = next(sh for sh in fm.shadows.ready if sh.sid == moved.figures["replaced_by"])
+        fig["moved"] = {"to": host_of(new.info.url), "after_s": round(moved.t - t_back, 2)}
+        fig["final"] = hosts()
+        fig["moved_answers"] = await answers(new.info.url)
+        deadline = time.monotonic() + 20
+        while (code := await answers(moved.figures["url"])) is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)  # Ray kills the actor asynchronously and its server follows it: no event
+        fig["stopped_answers"] = code
+        fig["engine_states"] = fm.states()
+    finally:
+        await fm.shutdown()
+    return fig
 
 
 async def scenario_acceptance(cluster, run_dir: Path) -> dict:
@@ -253,4 +316,4 @@ async def scenario_acceptance(cluster, run_dir: Path) -> dict:
 if __name__ == "__main__":
     from tests.test_netns_multinode import main
 
-    main(sys.argv[1], {"acceptance": scenario_acceptance})
+    main(sys.argv[1], {"acceptance": scenario_acceptance, "standbys_join": scenario_standbys_join})

@@ -49,7 +49,8 @@ class Placement:
         """{node: why it is excluded}, for reports."""
         return {n: why for n, (_, why) in self.nodes.excluded.items()}
 
-    async def _alive_nodes(self) -> list[str]:
+    async def alive_nodes(self) -> list[str]:
+        """The ids of the Ray nodes alive now, as the GCS reports them."""
         import ray
 
         nodes = await asyncio.to_thread(ray.nodes)
@@ -65,7 +66,12 @@ class Placement:
         spread = role == "standby" and self.cfg.shadow.placement == "spread"
         if not excluded and not spread:
             return {}
-        allowed = [n for n in await self._alive_nodes() if n not in excluded]
+        admitted = [n for n in await self.alive_nodes() if n not in excluded]
+        # A node whose actor just became unreachable is not chosen while Ray's verdict on it is pending
+        # (restart.node_check_timeout_s): a lost node stays alive in the GCS for seconds, and a standby pinned
+        # there dies at once and spends the pool's restart budget.
+        pending = {n for n, t in self._node_checks.items() if not t.done()}
+        allowed = [n for n in admitted if n not in pending] or admitted
         if not allowed:
             return {}
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -108,7 +114,7 @@ class Placement:
 
     async def _note_death(self, d: Death) -> None:
         try:
-            hosts = await self._alive_nodes()
+            hosts = await self.alive_nodes()
         except Exception:  # GCS unreachable: no verdict now (never exclude on missing information)
             return
         if (d.position, d.incarnation) in self._absolved:
@@ -133,7 +139,7 @@ class Placement:
         deadline = time.monotonic() + self.cfg.restart.node_check_timeout_s
         while not self._closing:
             try:
-                alive = node in await self._alive_nodes()
+                alive = node in await self.alive_nodes()
             except Exception:
                 alive = True
             if not alive:

@@ -40,6 +40,13 @@ from belayer_plugin.fleet.slot import Slot, Weights
 _POOL = "shadow-pool"
 
 
+def _actor_lost(e: BaseException) -> bool:
+    """The actor died or became unreachable (not a failure of the engine's own start)."""
+    import ray
+
+    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+
+
 class ShadowHost(Protocol):
     """What the pool needs from the fleet that owns it (the FleetManager; the pool never imports it)."""
 
@@ -60,6 +67,8 @@ class ShadowHost(Protocol):
     def check_node(self, node: str) -> None: ...
 
     async def wait_changed(self, timeout: float) -> None: ...
+
+    async def alive_nodes(self) -> list[str]: ...
 
 
 @dataclass
@@ -93,6 +102,7 @@ class ShadowPool:
         self._starting: dict[str, str] = {}  # standby id -> the node it is being placed on
         self._here: Optional[str] = None  # the Ray node this pool runs on (standbys there can be frozen)
         self._breather: Optional[asyncio.Task] = None
+        self._rebalancer: Optional[asyncio.Task] = None
         self._session: Any = None  # aiohttp, for refits sent straight to a frozen standby's server
 
     @property
@@ -102,6 +112,63 @@ class ShadowPool:
     async def start(self) -> None:
         """Brings up every standby (the fleet's start waits for them: a handover needs one ready)."""
         await asyncio.gather(*(self._add() for _ in range(self.target)))
+        if self.cfg.placement == "spread" and self.cfg.rebalance_interval_s > 0 and self.target > 1:
+            self._rebalancer = asyncio.create_task(self._rebalance_loop(), name="shadow-rebalance")
+
+    # ----------------------------------------------------------------- spread across nodes that come and go
+    async def _rebalance_loop(self) -> None:
+        # Ray offers no node-joined feed the pool could await: the node list is read every interval (one GCS
+        # call), and a move happens only when counts differ by two or more, so a balanced pool never moves.
+        while not self._closing:
+            await asyncio.sleep(self.cfg.rebalance_interval_s)
+            try:
+                await self.rebalance()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the GCS did not answer, a start failed: the next interval tries again
+                self.fleet.events.emit("shadow", _POOL, "shadow_rebalance_failed", f"{type(e).__name__}: {e}"[:300],
+                                       level="warning")
+
+    def counts(self, nodes: list[str]) -> dict[str, int]:
+        """Ready standbys per node of `nodes` (nodes without one count 0)."""
+        out = {n: 0 for n in nodes}
+        for sh in self.ready:
+            if sh.info.node_id in out:
+                out[sh.info.node_id] += 1
+        return out
+
+    async def rebalance(self) -> Optional[str]:
+        """shadow.placement=spread: when the standbys per admitted node differ by two or more (a node returned
+        or joined after its standbys had been replaced elsewhere), one moves: a new standby is started on the
+        emptiest node, then one on the fullest stops. Returns the node it moved to, None when nothing moved."""
+        if self._adding or self._starting or len(self.ready) < self.target:
+            return None  # a replacement under way places itself; moving now could overshoot
+        excluded = self.fleet.excluded_nodes
+        counts = self.counts([n for n in await self.fleet.alive_nodes() if n not in excluded])
+        if len(counts) < 2 or max(counts.values()) - min(counts.values()) < 2:
+            return None
+        full = max(counts, key=lambda n: (counts[n], n))
+        self._adding += 1
+        try:
+            sh = await self._add(rebuild=True)  # spread placement puts it on a node with the fewest
+        finally:
+            self._adding -= 1
+        if sh is None or sh not in self.ready:
+            return None
+        old = next((x for x in self.ready if x.info.node_id == full and x is not sh), None)
+        if old is None:  # the full node lost one meanwhile
+            return sh.info.node_id
+        self.ready.remove(old)
+        if old.watcher is not None:
+            old.watcher.cancel()
+        self._unwatch_server(old)
+        self._wake(old)
+        self._kill(old.actor)
+        self.fleet.events.emit("shadow", old.sid, "shadow_moved",
+                               f"node {full[:12]} had {counts[full]} standbys: replaced by {sh.sid} on node "
+                               f"{sh.info.node_id[:12]}", to_node=sh.info.node_id, from_node=full, replaced_by=sh.sid,
+                               url=old.info.url)
+        return sh.info.node_id
 
     def nodes(self) -> list[str]:
         """The Ray nodes the ready standbys run on (for spread placement)."""
@@ -147,8 +214,10 @@ class ShadowPool:
         except BaseException as e:
             if niced is not None:
                 niced.cancel()
-            self._starting.pop(sid, None)
+            node = self._starting.pop(sid, None)
             self._kill(actor)
+            if node and _actor_lost(e):
+                self.fleet.check_node(node)  # died where it was pinned: maybe that node is gone
             if not isinstance(e, Exception):
                 # Cancelled (the pool is closing while this one starts): its actor, and by PDEATHSIG its server,
                 # went now, not whenever Ray collects the dropped handle (~4 s later here).
@@ -474,7 +543,7 @@ class ShadowPool:
         if self._session is not None:
             await self._session.close()
             self._session = None
-        for t in [*self._tasks, *([self._breather] if self._breather else [])]:
+        for t in [*self._tasks, *(x for x in (self._breather, self._rebalancer) if x is not None)]:
             t.cancel()
         for sh in self.ready:
             if sh.watcher is not None:
