@@ -336,6 +336,8 @@ class ChaosConfig:
     probability: float = _req()
     count: int = _req()
     seed: int = _req()
+    # A signal for a process on another Ray node goes through a task on that node, answered within this long.
+    deliver_timeout_s: float = _req()
 
     # What must have happened for the scenario to count (belayer_plugin.chaos.check asserts each from the
     # report and the event log); names from CHAOS_EXPECTATIONS.
@@ -348,6 +350,8 @@ class ChaosConfig:
         out = []
         if not 0 <= self.probability <= 1:
             out.append("probability: must be in [0, 1]")
+        if self.deliver_timeout_s <= 0:
+            out.append("deliver_timeout_s: must be > 0")
         if self.count < 0:
             out.append("count: must be >= 0")
         for i, name in enumerate(self.expect):

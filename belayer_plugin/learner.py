@@ -64,7 +64,10 @@ class Learner:
         return os.getpid()
 
     def info(self) -> dict:
-        return {"step": self.step, "resumed_from": self.resumed_from, "checkpoints": self.found, "pid": os.getpid()}
+        import ray
+
+        return {"step": self.step, "resumed_from": self.resumed_from, "checkpoints": self.found, "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None}
 
     def train_step(self, step: int, batch: list[dict]) -> dict:
         """One update from trajectories {token_ids, gen_mask, advantage}; returns {path, loss, step}."""

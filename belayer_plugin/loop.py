@@ -297,7 +297,8 @@ class ReferenceLoop:
         if cfg.chaos.enabled:
             from belayer_plugin.chaos.injector import ChaosInjector
 
-            self.chaos = ChaosInjector(cfg.chaos, self.events, self.fleet, lambda: self.learner_pid)
+            self.chaos = ChaosInjector(cfg.chaos, self.events, self.fleet, lambda: self.learner_pid,
+                                       lambda: self.learner_info.get("node"))
             backend = self.chaos.wrap_backend(backend)
             gen.observers.append(self.chaos.gen_observer)
             self.events.subscribe(self.chaos.on_event)

@@ -89,7 +89,60 @@ def test_nodes_that_join_get_a_standby_moved_to_them_by_spread_placement(cluster
     assert fig["engine_states"] == {"engine-0": "HEALTHY"}
 
 
+@pytest.mark.timeout(240)
+def test_a_chaos_fault_for_an_engine_on_another_node_is_delivered_there_and_recovered(cluster, tmp_path):
+    cluster.revive()
+    fig = run_driver(__file__, cluster, tmp_path, TAG, 200, BELAYER_NETNS_SCENARIO="chaos_remote")
+    print("NETNS_CHAOS", fig)
+    assert fig["inject"]["node"] == fig["node_b"] and fig["inject"]["signal"] == "SIGSTOP"
+    assert fig["inject"]["via"] == "a task on its node"  # one machine here: the driver could have reached it too
+    assert fig["server_state"] == "T"  # the kernel's word: B's server stopped, by the task on B
+    assert fig["detected"] and fig["states"] == {"engine-0": "HEALTHY", "engine-1": "HEALTHY"}
+    assert fig["old_server_gone"]  # fenced: the stopped server was killed
+
+
 # -- the scenarios (in the driver subprocess) ------------------------------------------------------------------
+
+
+async def scenario_chaos_remote(cluster, run_dir: Path) -> dict:
+    """engine_hang from Belayer's chaos injector for an engine on B (the driver on A): the SIGSTOP is sent by a
+    task on B to the pid B's actor reported; the fleet detects the hang and replaces the engine."""
+    from belayer_plugin.chaos.injector import ChaosInjector
+    from belayer_plugin.events import EventLog
+    from belayer_plugin.fleet.manager import FleetManager
+    from tests.test_netns_multinode import _alive, ev, fleet_cfg, pin_first
+
+    cfg = fleet_cfg("belayer.chaos.enabled=true", "belayer.chaos.kind=engine_hang", "belayer.chaos.trigger=step",
+                    "belayer.chaos.at=1", "belayer.chaos.count=1", "belayer.monitor.probe_timeout_s=1.5",
+                    "belayer.monitor.failure_threshold=2")
+    fm = FleetManager(cfg, run_dir, EventLog(run_dir / "events.jsonl"), model_path=os.environ["BELAYER_TINY"])
+    fm.actor_options = pin_first({"engine-0": "b", "engine-1": "a"})
+    await fm.start()
+    fig: dict = {"node_b": cluster.node_ids()["b"]}
+    inj = ChaosInjector(cfg.chaos, fm.events, fm)
+    try:
+        old_pid = fm.slots["engine-0"].info.pid
+        t = time.time()
+        await asyncio.to_thread(inj.on_phase, "serving", 1)  # the trigger: step 1 while serving
+        inject = await fm.events.wait_for(ev("inject"), 30, since=t)
+        fig["inject"] = inject.figures
+        fig["server_state"] = Path(f"/proc/{old_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        det = await fm.events.wait_for(ev("detected", "engine-0"), 60, since=t)
+        fig["detected"] = det.reason
+        await fm.events.wait_for(ev("registered", "engine-0"), 120, since=t)
+        await fm.wait_all_healthy(60)
+        fig["states"] = fm.states()
+        deadline = time.monotonic() + 20
+        while _alive(old_pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)  # the fence's kill, then the kernel's reaping: no event for it here
+        fig["old_server_gone"] = not _alive(old_pid) or "Z" == Path(f"/proc/{old_pid}/stat").read_text(
+        ).rsplit(")", 1)[1].split()[0]
+    finally:
+        inj.stop()
+        await fm.shutdown()
+    return fig
+
+
 
 
 async def scenario_standbys_join(cluster, run_dir: Path) -> dict:
@@ -316,4 +369,5 @@ async def scenario_acceptance(cluster, run_dir: Path) -> dict:
 if __name__ == "__main__":
     from tests.test_netns_multinode import main
 
-    main(sys.argv[1], {"acceptance": scenario_acceptance, "standbys_join": scenario_standbys_join})
+    main(sys.argv[1], {"acceptance": scenario_acceptance, "standbys_join": scenario_standbys_join,
+                       "chaos_remote": scenario_chaos_remote})

@@ -37,13 +37,15 @@ class ChaosInjector:
     """Fires `cfg.count` faults of `cfg.kind` when the trigger matches (with `cfg.probability`)."""
 
     def __init__(self, cfg: ChaosConfig, events: EventLog, fleet: Any,
-                 learner_pid: Callable[[], Optional[int]] = lambda: None):
+                 learner_pid: Callable[[], Optional[int]] = lambda: None,
+                 learner_node: Callable[[], Optional[str]] = lambda: None):
         if cfg.kind not in KINDS:
             raise ValueError(f"belayer.chaos.kind: unknown {cfg.kind!r}; known: {', '.join(KINDS)}")
         self.cfg = cfg
         self.events = events
         self.fleet = fleet
         self.learner_pid = learner_pid
+        self.learner_node = learner_node  # the learner's Ray node (None: this process's)
         self.rng = random.Random(cfg.seed)
         self.fired = 0
         self.phase, self.step = "serving", 0
@@ -52,7 +54,7 @@ class ChaosInjector:
         self._timer: Optional[threading.Timer] = None
         self.faulty_backend: Any = None
         self._flaky_slot: Optional[str] = None
-        self._stopped_pids: list[int] = []
+        self._stopped_pids: list[tuple[int, Optional[str]]] = []  # (pid, its Ray node; None: this one)
 
     # ------------------------------------------------------------------ wiring
     def start(self) -> None:
@@ -78,10 +80,13 @@ class ChaosInjector:
             self._timer.cancel()
         if self.faulty_backend is not None:
             self.faulty_backend.disarm()
-        for pid in self._stopped_pids:  # never leave a SIGSTOPped process behind
+        for pid, node in self._stopped_pids:  # never leave a SIGSTOPped process behind
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+                if node is None:
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    signal_on_node(node, pid, signal.SIGKILL, self.cfg.deliver_timeout_s)
+            except Exception:  # gone already, or its node with it
                 pass
 
     # ------------------------------------------------------------------ triggers
@@ -105,7 +110,7 @@ class ChaosInjector:
             slot = self.fleet.slots.get(self._flaky_slot)
             if slot is not None and slot.info is not None:
                 self._signal(slot.info.pid, signal.SIGKILL, f"{self._flaky_slot} (flaky)",
-                             f"incarnation {ev.figures.get('incarnation')}", self._flaky_slot)
+                             f"incarnation {ev.figures.get('incarnation')}", self._flaky_slot, slot.info.node_id)
 
     def _victim_phase_ok(self) -> bool:
         return self.cfg.victim_state in ("any", self.phase)
@@ -127,28 +132,30 @@ class ChaosInjector:
             slot = next((s for s in slots if s.slot_id == engine), None) or (slots[0] if slots else None)
             if slot is None:
                 return self._missed("engine", why, "no engine with a process to hit")
+            node = slot.info.node_id
             if k == "engine_actor_kill":
-                return self._signal(slot.info.actor_pid, signal.SIGKILL, f"{slot.slot_id} actor", why, slot.slot_id)
+                return self._signal(slot.info.actor_pid, signal.SIGKILL, f"{slot.slot_id} actor", why, slot.slot_id,
+                                    node)
             if k == "engine_server_kill":
-                return self._signal(slot.info.pid, signal.SIGKILL, f"{slot.slot_id} server", why, slot.slot_id)
+                return self._signal(slot.info.pid, signal.SIGKILL, f"{slot.slot_id} server", why, slot.slot_id, node)
             if k == "engine_hang":
-                ok = self._signal(slot.info.pid, signal.SIGSTOP, f"{slot.slot_id} server", why, slot.slot_id)
+                ok = self._signal(slot.info.pid, signal.SIGSTOP, f"{slot.slot_id} server", why, slot.slot_id, node)
                 if ok:
-                    self._stopped_pids.append(slot.info.pid)
+                    self._stopped_pids.append((slot.info.pid, None if _here(node) else node))
                 return ok
             self._flaky_slot = slot.slot_id  # engine_flaky
-            return self._signal(slot.info.pid, signal.SIGKILL, f"{slot.slot_id} (flaky)", why, slot.slot_id)
+            return self._signal(slot.info.pid, signal.SIGKILL, f"{slot.slot_id} (flaky)", why, slot.slot_id, node)
         if k == "shadow_kill":
             pool = getattr(self.fleet, "shadows", None)
             if pool is None or not pool.ready:
                 return self._missed("shadow", why, "no standby was ready")
             sh = pool.ready[0]
-            return self._signal(sh.info.pid, signal.SIGKILL, sh.sid, why, sh.sid)
+            return self._signal(sh.info.pid, signal.SIGKILL, sh.sid, why, sh.sid, sh.info.node_id)
         if k == "learner_kill":
             pid = self.learner_pid()
             if not pid:
                 return self._missed("learner", why, "no learner process")
-            return self._signal(pid, signal.SIGKILL, "learner", why, "learner")
+            return self._signal(pid, signal.SIGKILL, "learner", why, "learner", self.learner_node())
         if k in SANDBOX_KINDS and sandbox is not None:
             ok = self.kill_container(sandbox.backend, sandbox.container_id, sandbox.sandbox_id, why,
                                      victim=sandbox.name)
@@ -163,17 +170,31 @@ class ChaosInjector:
                          phase=self.phase, step=self.step, **figures)
         return False
 
-    def _signal(self, pid: Optional[int], sig: int, victim: str, why: str = "", target: str = "") -> bool:
-        """Sends `sig` to a process verified alive; the `inject` event records the delivery, not the intent."""
+    def _signal(self, pid: Optional[int], sig: int, victim: str, why: str = "", target: str = "",
+                node: Optional[str] = None) -> bool:
+        """Sends `sig` to a process verified alive, on its own Ray node (`node`; None: this process's node);
+        the `inject` event records the delivery, not the intent."""
         name = signal.Signals(sig).name
-        if not pid or not pid_alive(pid):
+        if not pid:
+            return self._missed(victim, why, f"no process id: {name} not sent", pid=pid)
+        if not _here(node):
+            # A pid read on another machine names some other process here: a task on that node signals it.
+            try:
+                problem = signal_on_node(node, pid, sig, self.cfg.deliver_timeout_s)
+            except Exception as e:  # the node is gone or did not answer within chaos.deliver_timeout_s
+                problem = f"{type(e).__name__}: {str(e)[:200]}"
+            if problem:
+                return self._missed(victim, why, f"{name} to {pid} on node {node[:12]}: {problem}", pid=pid)
+        elif not pid_alive(pid):
             return self._missed(victim, why, f"process {pid} was not alive: {name} not sent", pid=pid)
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError) as e:
-            return self._missed(victim, why, f"{name} to {pid} failed: {type(e).__name__}", pid=pid)
+        else:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError) as e:
+                return self._missed(victim, why, f"{name} to {pid} failed: {type(e).__name__}", pid=pid)
         self.events.emit("chaos", victim, "inject", why, level="warning", fault=self.cfg.kind, pid=pid,
-                         signal=name, phase=self.phase, step=self.step, delivered=True, target=target or victim)
+                         signal=name, phase=self.phase, step=self.step, delivered=True, target=target or victim,
+                         node=node, via="here" if _here(node) else "a task on its node")
         return True
 
     def kill_container(self, backend: Any, cid: str, subject: str, why: str, victim: str = "",
@@ -193,6 +214,37 @@ class ChaosInjector:
         self.events.emit("chaos", subject, "inject", why, level="warning", fault=self.cfg.kind, victim=victim or subject,
                          container=cid[:12], phase=self.phase, step=self.step, delivered=True, target=subject)
         return True
+
+
+def _here(node: Optional[str]) -> bool:
+    """True when `node` is None or the Ray node this process runs on."""
+    if node is None:
+        return True
+    import ray
+
+    return not ray.is_initialized() or node == ray.get_runtime_context().get_node_id()
+
+
+def _deliver(pid: int, sig: int) -> Optional[str]:
+    """On the target's node: sends `sig` to `pid` verified alive; None when sent, else why not."""
+    if not pid_alive(pid):
+        return f"process {pid} was not alive: {signal.Signals(sig).name} not sent"
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError) as e:
+        return f"{type(e).__name__}"
+    return None
+
+
+def signal_on_node(node: str, pid: int, sig: int, timeout_s: float) -> Optional[str]:
+    """Sends `sig` to `pid` from a Ray task pinned to `node`; None when delivered, else why not. Raises when
+    the node does not answer within `timeout_s`."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(_deliver).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+    return ray.get(task.remote(pid, sig), timeout=timeout_s)
 
 
 def pid_alive(pid: int) -> bool:
