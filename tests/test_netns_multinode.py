@@ -149,8 +149,19 @@ def test_belayer_run_on_a_cluster_whose_checkpoint_store_is_not_shared_stops_bef
 
 @pytest.mark.timeout(400)
 def test_belayer_run_joins_an_existing_cluster_spreads_its_engines_over_the_nodes_and_finishes(cluster, tmp_path):
-    rc, report, out = belayer_run(cluster, tmp_path / "run", 360, "belayer.chaos.enabled=false")
+    # With the demo's own chaos: an engine's server SIGKILLed at a request's 6th token, wherever it runs
+    rc, report, out = belayer_run(cluster, tmp_path / "run", 360)
     assert rc == 0 and report["status"] == "ok", out
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    injects = [e["figures"] for e in events if e["kind"] == "inject"]
+    assert len(injects) == 1 and injects[0]["delivered"], injects
+    hit = {**injects[0], "t": next(e["t"] for e in events if e["kind"] == "inject")}
+    # where the victim ran: the address in its server's start line before the fault ("pid N at http://ip:port")
+    started = [e for e in events if e["subject"] == hit["target"] and e["t"] < hit["t"] and " at http://" in
+               e.get("reason", "")]
+    victim_ip = host_of(started[-1]["reason"].split(" at ", 1)[1].split()[0])
+    print("NETNS_RUN_CHAOS", json.dumps({"victim_ip": victim_ip, "via": hit.get("via")}))
+    assert hit["via"] == ("here" if victim_ip == cluster.nodes["a"].ip else "a task on its node"), (victim_ip, hit)
     ips = {n.ip for n in cluster.nodes.values()}
     # every node proved the shared store (the run directory, on this one machine's file system)
     assert report["sandbox_evidence"]["store_shared_by"] == sorted(ips), report["sandbox_evidence"]
