@@ -140,6 +140,24 @@ def _spread_first_engines(num_engines: int, nodes: dict[str, str]) -> Callable[[
     return opts
 
 
+def _take_checkpoint(src: Path, run_dir: Path) -> tuple[int, Optional[str]]:
+    """Copies the newest complete learner checkpoint of the run in `src` and the weights it produced into
+    `run_dir` (where the new learner and a later resume find them); returns (its step, the weights' path).
+    (0, None) when `src` holds none: the run starts from the beginning, as the earlier one did."""
+    import shutil
+
+    done = sorted((int(p.name.removeprefix("step-")) for p in (src / "learner-ckpt").glob("step-*")
+                   if (p / "COMPLETE").exists()), reverse=True)
+    for step in done:
+        weights = src / "weights" / f"v{step}"
+        if not (weights / "config.json").exists():  # written before the checkpoint: absent, the run was damaged
+            continue
+        shutil.copytree(src / "learner-ckpt" / f"step-{step}", run_dir / "learner-ckpt" / f"step-{step}")
+        shutil.copytree(weights, run_dir / "weights" / f"v{step}")
+        return step, str(run_dir / "weights" / f"v{step}")
+    return 0, None
+
+
 class RunFailed(RuntimeError):
     """The run could not finish; the report carries what was lost and why."""
 
@@ -148,8 +166,12 @@ class ReferenceLoop:
     """One run of the reference loop; `run()` returns the report dict."""
 
     def __init__(self, cfg: BelayerConfig, recipe: DictConfig, progress: bool = True,
-                 on_step: Optional[Callable[["ReferenceLoop", int, str], None]] = None):
-        """`on_step(loop, step, "start" | "end")` is called at each step's edges (a bench's CPU accounting)."""
+                 on_step: Optional[Callable[["ReferenceLoop", int, str], None]] = None,
+                 resume_from: Optional[Path] = None):
+        """`on_step(loop, step, "start" | "end")` is called at each step's edges (a bench's CPU accounting).
+        `resume_from`: the run directory of an earlier run of the same recipe; this run starts after the step of
+        its newest complete learner checkpoint, with that checkpoint and that step's weights (a job restarted
+        from its checkpoint, as bench/goodput.py's restart-based arm does)."""
         self.cfg = cfg
         self.on_step = on_step
         self.loop = _loop_config(recipe)
@@ -158,6 +180,9 @@ class ReferenceLoop:
             raise ConfigError(bad)
         self.run_dir = make_run_dir(cfg)
         _refuse_used_run_dir(self.run_dir)
+        # The step this run resumes after (0: from the start) and the weights of that step
+        self.resumed_step, self.resumed_weights = (0, None) if resume_from is None else \
+            _take_checkpoint(Path(resume_from), self.run_dir)
         self.events = EventLog(self.run_dir / "events.jsonl")
         # Per-step recovery counters, as a trainer's logger would get them (see StepMetrics)
         self.step_metrics = StepMetrics()
@@ -318,7 +343,19 @@ class ReferenceLoop:
             return Sandbox.create(backend, spec, sandbox_id=tid, exec_timeout_s=cfg.sandbox.exec_timeout_s,
                                   on_event=on_event)
 
-        for step in range(1, lc.num_steps + 1):
+        if self.resumed_weights is not None:
+            # A restarted job: the engines started at the initial weights; the learner resumed from the copied
+            # checkpoint (its info says which); the engines get that step's weights before the next step.
+            if self.learner_info.get("step") != self.resumed_step:
+                raise RunFailed(f"resuming after step {self.resumed_step}: the learner resumed at step "
+                                f"{self.learner_info.get('step')}")
+            await self.fleet.pause(release_memory=True)
+            await self.fleet.refit(self.resumed_weights, f"v{self.resumed_step}")
+            await self.fleet.resume()
+            self.events.emit("loop", "run", "resumed", f"after step {self.resumed_step} of an earlier run",
+                             step=self.resumed_step)
+            self._say(f"[belayer] resumed after step {self.resumed_step} (learner checkpoint and weights v{self.resumed_step})")
+        for step in range(self.resumed_step + 1, lc.num_steps + 1):
             if self.on_step is not None:
                 self.on_step(self, step, "start")
             t_step, cpu_host, cpu_driver = time.monotonic(), host_cpu_s(), time.process_time()
