@@ -178,6 +178,8 @@ def test_belayer_run_joins_an_existing_cluster_spreads_its_engines_over_the_node
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(os.environ.get("BELAYER_FULL_SUITE", "") != "1",
+                    reason="full suite: CI restores a lost node's sandbox in tests/test_netns_acceptance.py")
 def test_a_sandbox_whose_node_is_lost_is_restored_on_another_node_with_the_context_of_the_same_boundary(
         cluster, tmp_path):
     from belayer_plugin.sandbox.scripted import golden_state
