@@ -238,27 +238,10 @@ async def scenario_acceptance(cluster, run_dir: Path) -> dict:
     @ray.remote(num_cpus=0, resources={"netns_node_a": 0.01}, max_retries=0)
     def resume_on_a(store_root: str, state_dir: str, n_actions: int) -> dict:
         from belayer_plugin.sandbox.checkpoint import CheckpointStore
-        from belayer_plugin.sandbox.scripted import action, messages, query_state, setup_stated, tokens
-        from belayer_plugin.sandbox.trajectory import TrajectoryRecorder
+        from belayer_plugin.sandbox.scripted import resume_scripted
 
-        events: list[dict] = []
-        rec, rb = TrajectoryRecorder.resume("traj", PodmanBackend(state_dir=state_dir),
-                                            CheckpointStore(store_root, keep=3), exec_timeout_s=20.0,
-                                            on_event=events.append, setup=setup_stated, checkpoint_mode="full")
-        try:
-            out = {"node": ray.util.get_node_ip_address(), "boundary": rb.boundary, "token_ids": rb.token_ids,
-                   "failed_boundary": rb.failed_boundary, "state_restored": query_state(rb.sandbox)}
-            for i in range(rb.boundary + 1, n_actions + 1):
-                rec.begin_action(action(i))
-                assert rec.sandbox.exec(action(i)["command"]).exit_code == 0
-                rec.commit(tokens(i), messages(i))
-            out["state_final"] = query_state(rec.sandbox)
-            restores = [e for e in events if e["kind"] == "restore"]
-            out["restored_events"] = len(restores)
-            out["runtime_restored_id"] = restores[0].get("runtime_restored_id") if restores else None
-            return out
-        finally:
-            rec.close()
+        return {"node": ray.util.get_node_ip_address(), **resume_scripted(
+            "traj", PodmanBackend(state_dir=state_dir), CheckpointStore(store_root, keep=3), n_actions)}
 
     async def generated_by(url: str):
         """The tokens an engine generated for requests, by its own counter; None when it cannot be reached."""

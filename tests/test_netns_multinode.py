@@ -527,28 +527,10 @@ async def scenario_sandbox_moves(cluster, run_dir: Path) -> dict:
     @ray.remote(num_cpus=0, resources={"netns_node_c": 0.01}, max_retries=0)
     def resume_on_c(store_root: str, state_dir: str) -> dict:
         from belayer_plugin.sandbox.checkpoint import CheckpointStore
-        from belayer_plugin.sandbox.scripted import action, messages, query_state, setup_stated, tokens
-        from belayer_plugin.sandbox.trajectory import TrajectoryRecorder
+        from belayer_plugin.sandbox.scripted import resume_scripted
 
-        events: list[dict] = []
-        rec, rb = TrajectoryRecorder.resume("traj", PodmanBackend(state_dir=state_dir),
-                                            CheckpointStore(store_root, keep=3), exec_timeout_s=20.0,
-                                            on_event=events.append, setup=setup_stated, checkpoint_mode="full")
-        try:
-            out = {"node": ray.util.get_node_ip_address(), "boundary": rb.boundary, "token_ids": rb.token_ids,
-                   "checkpoint": rb.checkpoint_id, "failed_boundary": rb.failed_boundary,
-                   "context": [r.token_ids for r in rec.boundaries], "state_restored": query_state(rb.sandbox)}
-            for i in (3, 4):
-                rec.begin_action(action(i))
-                assert rec.sandbox.exec(action(i)["command"]).exit_code == 0
-                rec.commit(tokens(i), messages(i))
-            out["state_final"] = query_state(rec.sandbox)
-            restores = [e for e in events if e["kind"] == "restore"]
-            out["restored_events"] = len(restores)
-            out["runtime_restored_id"] = restores[0].get("runtime_restored_id") if restores else None
-            return out
-        finally:
-            rec.close()
+        return {"node": ray.util.get_node_ip_address(), **resume_scripted(
+            "traj", PodmanBackend(state_dir=state_dir), CheckpointStore(store_root, keep=3), 4)}
 
     on_b = TrajectoryOnB.remote()
     fig: dict = {"on_b": await asyncio.wait_for(asyncio.wrap_future(

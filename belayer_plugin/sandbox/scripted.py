@@ -104,6 +104,32 @@ def golden_state(n: int) -> str:
     return f"{mem}\n--log\n{log_lines}" + "".join(fs)
 
 
+def resume_scripted(trajectory_id: str, backend: Any, store: CheckpointStore, n_actions: int,
+                    exec_timeout_s: float = 20.0) -> dict:
+    """A scripted trajectory whose sandbox and recorder were lost (with their node or process), resumed here from
+    `store` and run to `n_actions`: the boundary restored, its context, the state there, the final state, and
+    the restore events (`TrajectoryRecorder.resume`)."""
+    events: list[dict] = []
+    rec, rb = TrajectoryRecorder.resume(trajectory_id, backend, store, exec_timeout_s=exec_timeout_s,
+                                        on_event=events.append, setup=setup_stated, checkpoint_mode="full")
+    try:
+        out = {"boundary": rb.boundary, "token_ids": rb.token_ids, "checkpoint": rb.checkpoint_id,
+               "failed_boundary": rb.failed_boundary, "context": [r.token_ids for r in rec.boundaries],
+               "state_restored": query_state(rb.sandbox)}
+        for i in range(rb.boundary + 1, n_actions + 1):
+            rec.begin_action(action(i))
+            if rec.sandbox.exec(action(i)["command"]).exit_code != 0:
+                raise SandboxError(f"action {i} failed after the resume")
+            rec.commit(tokens(i), messages(i))
+        out["state_final"] = query_state(rec.sandbox)
+        restores = [e for e in events if e["kind"] == "restore"]
+        out["restored_events"] = len(restores)
+        out["runtime_restored_id"] = restores[0].get("runtime_restored_id") if restores else None
+        return out
+    finally:
+        rec.close()
+
+
 @dataclass
 class Fault:
     phase: str  # "exec" | "checkpoint" | "restore"
