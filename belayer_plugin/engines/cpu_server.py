@@ -26,7 +26,7 @@ from typing import Any, Optional
 import orjson
 from aiohttp import web
 
-from belayer_plugin.engines import cpu_engine
+from belayer_plugin.engines import cpu_engine, cpu_openai
 from belayer_plugin.engines.cpu_engine import BadRequest, Engine, Request, Sampling, parse_sampling
 from belayer_plugin.lean_imports import skip_unused_imports
 
@@ -408,6 +408,30 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
         else:
             return _bad("rid (string) or abort_all: true is required")
         return web.json_response({"success": True, "aborted": n})
+
+    @routes.post("/v1/chat/completions")
+    async def chat(request: web.Request) -> web.Response:
+        try:
+            body = await _json_body(request)
+            if eng.released or eng.model is None:
+                return _bad("engine memory is released; call /resume_memory_occupation", 503)
+            req = _parse_generate(eng, cpu_openai.generate_body(body))
+        except (BadRequest, ValueError) as e:
+            return cpu_openai.bad_request(str(e))
+        if req.sampling.max_new_tokens == 0:
+            req.finish_reason = {"type": "length", "length": 0}
+            return web.json_response(cpu_openai.chat_response(eng.model_path, _response(eng, req)))
+        eng.submit(req)
+        try:
+            await req.done.wait()
+        finally:
+            if req.finish_reason is None:  # the client went away: stop decoding for it
+                eng.abort(req.rid)
+        return web.json_response(cpu_openai.chat_response(eng.model_path, _response(eng, req)))
+
+    @routes.get("/v1/models")
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response(cpu_openai.models_response(eng.model_path))
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.add_routes(routes)
