@@ -12,10 +12,12 @@ Every detector watches the SAME engines at the same time, so each fault is timed
   (probe every 5 s, 2 s timeout, DEAD after 3 consecutive failures), fed as its SingleController feeds it
   (`_probe_generation_fleet`: every serving shard probed concurrently through its generation worker's
   `is_alive`; here the engine actor's `ping`, since NeMo-RL's vLLM worker cannot run here); detected when
-  the shard leaves its serving set. Its other input, the request failures its GenerationRouter drains into
-  `report_failure`, is not fed: that router forwards only OpenAI routes (/v1/chat/completions ...), which the
-  CPU engine does not serve, and it counts a failure only when a request errors or passes its
-  backend_timeout_s (600 s by default), so it would not change a figure here.
+  the shard leaves its serving set. Its other input is fed too in the SIGKILL trials: its own GenerationRouter
+  (its GenerationRouterConfig defaults, health-managed) carries greedy chat completions to the same engines (the
+  CPU engine serves /v1/chat/completions), and on each probe tick the router's per-backend failures are
+  drained into `report_failure` and the serving set pushed back, as its SingleController does. In the hang
+  trials the router runs no load: a hung engine fails no request before backend_timeout_s (600 s), and once
+  Belayer has fenced (killed) it, the failures would be Belayer's detection, not NeMo-RL's.
 - slime: `--use-fault-tolerance` heartbeat: `/health_generate` to each server in turn every 10 s with a 5 s
   timeout; one timeout or error stops the server (the 300 s first wait is left out).
 - router: a real sglang-router 0.3.2 with its own defaults (health check every 60 s, 5 s timeout, 3
@@ -74,21 +76,46 @@ class NemoRLFleetHealth:
     by probe_timeout_s, the result folded in with `record_probe`. `dead` maps a shard to the wall time it left
     the serving set."""
 
-    def __init__(self, actors: dict[str, Any]):
+    def __init__(self, actors: dict[str, Any], urls: dict[str, str]):
         from belayer_plugin.hooks.nemo_rl.upstream import ensure_importable_configs
 
         ensure_importable_configs()
-        from nemo_rl.algorithms.single_controller_utils.config import FleetHealthConfig
+        from nemo_rl.algorithms.single_controller_utils.config import FleetHealthConfig, GenerationRouterConfig
         from nemo_rl.models.generation.fleet_health import FleetHealthPolicy, GenerationFleetHealth
+        from nemo_rl.models.generation.generation_router import GenerationRouterImpl
 
         self.cfg = FleetHealthConfig(enabled=True)
         self.sids = list(actors)
         self.actors = actors
-        self.fleet = GenerationFleetHealth(shard_count=len(self.sids), policy=FleetHealthPolicy(
+        base_urls = [f"{urls[sid]}/v1" for sid in self.sids]
+        self.fleet = GenerationFleetHealth(shard_count=len(self.sids), base_urls=base_urls, policy=FleetHealthPolicy(
             unhealthy_threshold=self.cfg.unhealthy_threshold, healthy_threshold=self.cfg.healthy_threshold,
             max_restart_attempts_per_shard=self.cfg.max_restart_attempts_per_shard,
             min_healthy_shards=self.cfg.min_healthy_shards))
+        # Its GenerationRouter (the one NeMo-Gym's requests go through), with its config's defaults: the failures
+        # of the requests it forwards are the fleet health's other input. Its server thread has no stop: one
+        # router a trial, left to the process's end.
+        rc = GenerationRouterConfig()
+        self.router = GenerationRouterImpl(
+            backend_urls=base_urls, host="127.0.0.1", port=free_port(), backend_timeout_s=rc.backend_timeout_s,
+            connect_timeout_s=rc.connect_timeout_s, no_healthy_backend_status=rc.no_healthy_backend_status,
+            health_managed=True)
+        self.router.serve_in_background()
         self.dead: dict[str, float] = {}
+
+    async def load(self, stop: asyncio.Event, per_engine: int = 1) -> None:
+        """NeMo-Gym's traffic through its router: greedy chat completions kept in flight (`per_engine` each)."""
+        async def one(client: httpx.AsyncClient) -> None:
+            while not stop.is_set():
+                try:
+                    await client.post(f"{self.router.base_url()}/chat/completions", timeout=700, json={
+                        "model": "tiny", "messages": [{"role": "user", "content": "count to one hundred"}],
+                        "max_tokens": 128, "temperature": 0.0})
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.2)
+
+        async with httpx.AsyncClient(trust_env=False) as client:
+            await asyncio.gather(*(one(client) for _ in range(per_engine * len(self.sids))))
 
     async def run(self) -> None:
         while True:
@@ -103,6 +130,13 @@ class NemoRLFleetHealth:
                     self.fleet.record_probe(idx, ok=True)
 
             await asyncio.gather(*(probe(idx) for idx in self.fleet.serving_shards()))
+            # then, on the same tick as its SingleController: the router's failures drained into the fleet
+            # health, and the serving set pushed back to the router
+            for url, count in self.router.drain_backend_failures().items():
+                idx = self.fleet.shard_for_base_url(url)
+                for _ in range(count if idx is not None else 0):
+                    self.fleet.report_failure(idx, RuntimeError(f"router: {count} failed request(s) to {url}"))
+            self.router.set_serving_backends(self.fleet.serving_base_urls())
             serving = set(self.fleet.serving_shards())
             for idx, sid in enumerate(self.sids):
                 if idx not in serving and sid not in self.dead:
@@ -203,8 +237,13 @@ async def trial(fm: FleetManager, kind: str, sid: str, client: httpx.AsyncClient
     slot = fm.slots[sid]
     actors = {s: sl.actor for s, sl in fm.slots.items() if sl.health.serving}
     urls = {s: sl.info.url for s, sl in fm.slots.items() if sl.health.serving}
-    nemo, slime = NemoRLFleetHealth(actors), SlimeHeartbeat(urls, client)
+    nemo, slime = NemoRLFleetHealth(actors, urls), SlimeHeartbeat(urls, client)
     tasks = [asyncio.create_task(nemo.run()), asyncio.create_task(slime.run())]
+    if kind == "sigkill":
+        # NeMo-Gym's requests through NeMo-RL's router: a killed engine fails them at once. Not for the hangs: a
+        # hung engine fails none before backend_timeout_s (600 s), and after Belayer fences it (kills it) their
+        # failures would be Belayer's detection, not NeMo-RL's.
+        tasks.append(asyncio.create_task(nemo.load(asyncio.Event())))
     if router is not None:
         await router.set_workers(client, urls)
         tasks.append(asyncio.create_task(router.run(client)))
