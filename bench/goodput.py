@@ -8,7 +8,8 @@ Arms, each with the same schedule (fault times on the arm's own clock, from its 
 - fault-free: the job with fault tolerance off and no fault (the reference time for the work);
 - on: Belayer on, the demo recipe's defaults (a standby, token-level resume, sandbox restore, learner restart);
 - restart: no in-run recovery (fault tolerance off): a fault ends the job (by its own path: a failed request,
-  a failed trajectory, a dead learner, or for a hang the step timeout --hang-timeout-s); the bench's supervisor
+  a failed trajectory, a dead learner, or for a hang the step timeout --hang-timeout-s; a job still running
+  that long plus 60 s after a fault, e.g. a refit waiting on a stopped engine, is cut); the bench's supervisor
   restarts it from the learner's newest complete checkpoint (ReferenceLoop's `resume_from`): engines
   cold-start, sandboxes from scratch. Ray stays up between restarts (a real restart pays Ray's start too:
   the arm is measured in its favour).
