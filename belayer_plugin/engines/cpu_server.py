@@ -411,11 +411,10 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
 
     @routes.post("/v1/chat/completions")
     async def chat(request: web.Request) -> web.Response:
+        if eng.released or eng.model is None:  # as /generate answers, whatever the body
+            return _bad("engine memory is released; call /resume_memory_occupation", 503)
         try:
-            body = await _json_body(request)
-            if eng.released or eng.model is None:
-                return _bad("engine memory is released; call /resume_memory_occupation", 503)
-            req = _parse_generate(eng, cpu_openai.generate_body(body))
+            req = _parse_generate(eng, cpu_openai.generate_body(await _json_body(request)))
         except (BadRequest, ValueError) as e:
             return cpu_openai.bad_request(str(e))
         if req.sampling.max_new_tokens == 0:
