@@ -78,6 +78,7 @@ def test_a_node_lost_and_another_cut_off_under_load_lose_no_request_and_the_traj
 
 @pytest.mark.timeout(300)
 def test_nodes_that_join_get_a_standby_moved_to_them_by_spread_placement(cluster, tmp_path):
+    cluster.revive()  # the module's cluster after the acceptance scenario: B lost (its driver's join waits for all)
     fig = run_driver(__file__, cluster, tmp_path, TAG, 260, BELAYER_NETNS_SCENARIO="standbys_join")
     ips = {k: n.ip for k, n in cluster.nodes.items()}
     print("NETNS_STANDBYS", fig)
