@@ -177,21 +177,17 @@ class ChaosInjector:
         name = signal.Signals(sig).name
         if not pid:
             return self._missed(victim, why, f"no process id: {name} not sent", pid=pid)
-        if not _here(node):
+        if _here(node):
+            problem = _deliver(pid, sig)
+        else:
             # A pid read on another machine names some other process here: a task on that node signals it.
             try:
                 problem = signal_on_node(node, pid, sig, self.cfg.deliver_timeout_s)
             except Exception as e:  # the node is gone or did not answer within chaos.deliver_timeout_s
                 problem = f"{type(e).__name__}: {str(e)[:200]}"
-            if problem:
-                return self._missed(victim, why, f"{name} to {pid} on node {node[:12]}: {problem}", pid=pid)
-        elif not pid_alive(pid):
-            return self._missed(victim, why, f"process {pid} was not alive: {name} not sent", pid=pid)
-        else:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError) as e:
-                return self._missed(victim, why, f"{name} to {pid} failed: {type(e).__name__}", pid=pid)
+            problem = problem and f"on node {node[:12]}: {problem}"
+        if problem:
+            return self._missed(victim, why, problem, pid=pid)
         self.events.emit("chaos", victim, "inject", why, level="warning", fault=self.cfg.kind, pid=pid,
                          signal=name, phase=self.phase, step=self.step, delivered=True, target=target or victim,
                          node=node, via="here" if _here(node) else "a task on its node")
@@ -227,12 +223,13 @@ def _here(node: Optional[str]) -> bool:
 
 def _deliver(pid: int, sig: int) -> Optional[str]:
     """On the target's node: sends `sig` to `pid` verified alive; None when sent, else why not."""
+    name = signal.Signals(sig).name
     if not pid_alive(pid):
-        return f"process {pid} was not alive: {signal.Signals(sig).name} not sent"
+        return f"process {pid} was not alive: {name} not sent"
     try:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError) as e:
-        return f"{type(e).__name__}"
+        return f"{name} to {pid} failed: {type(e).__name__}"
     return None
 
 

@@ -18,8 +18,6 @@ from typing import Any
 
 from aiohttp import web
 
-_CHAT_KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream", "n",
-               "seed", "stop", "user", "logprobs"}
 _CHAT_REFUSED = ("tools", "tool_choice", "functions", "response_format")
 
 

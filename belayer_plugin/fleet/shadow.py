@@ -158,12 +158,7 @@ class ShadowPool:
         old = next((x for x in self.ready if x.info.node_id == full and x is not sh), None)
         if old is None:  # the full node lost one meanwhile
             return sh.info.node_id
-        self.ready.remove(old)
-        if old.watcher is not None:
-            old.watcher.cancel()
-        self._unwatch_server(old)
-        self._wake(old)
-        self._kill(old.actor)
+        self._stop(old)
         self.fleet.events.emit("shadow", old.sid, "shadow_moved",
                                f"node {full[:12]} had {counts[full]} standbys: replaced by {sh.sid} on node "
                                f"{sh.info.node_id[:12]}", to_node=sh.info.node_id, from_node=full, replaced_by=sh.sid,
@@ -379,18 +374,23 @@ class ShadowPool:
         self._unwatch_server(sh)
         if sh not in self.ready:
             return
-        if sh.watcher is not None and sh.watcher is not asyncio.current_task():
-            sh.watcher.cancel()
         if died:
             self.fleet.note_death(sh.info.node_id, sh.sid, 0)
             # As for engines: any standby death asks Ray (bounded) whether its node is gone; a lost node's
             # actors can also surface as ActorDiedError, never as ActorUnavailableError.
             self.fleet.check_node(sh.info.node_id)
+        self._stop(sh)
+        self.fleet.events.emit("shadow", sh.sid, "shadow_lost", reason, level="warning", pool=len(self.ready))
+        self.replenish(failed=True)
+
+    def _stop(self, sh: Shadow) -> None:
+        """Takes a standby out of the pool and kills it (its watcher cancelled, unless it is the caller)."""
+        self._unwatch_server(sh)
+        if sh.watcher is not None and sh.watcher is not asyncio.current_task():
+            sh.watcher.cancel()
         self.ready.remove(sh)
         self._wake(sh)  # a stopped actor would only be killed by Ray's grace timeout (~5 s), not at once
         self._kill(sh.actor)
-        self.fleet.events.emit("shadow", sh.sid, "shadow_lost", reason, level="warning", pool=len(self.ready))
-        self.replenish(failed=True)
 
     def take(self) -> Optional[Shadow]:
         """Removes and returns a standby for handover (None when the pool is empty)."""
