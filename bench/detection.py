@@ -77,9 +77,9 @@ class NemoRLFleetHealth:
     the serving set."""
 
     def __init__(self, actors: dict[str, Any], urls: dict[str, str]):
-        from belayer_plugin.hooks.nemo_rl.upstream import ensure_importable_configs
+        from belayer_plugin.hooks.nemo_rl.upstream import ensure_importable
 
-        ensure_importable_configs()
+        ensure_importable()
         from nemo_rl.algorithms.single_controller_utils.config import FleetHealthConfig, GenerationRouterConfig
         from nemo_rl.models.generation.fleet_health import FleetHealthPolicy, GenerationFleetHealth
         from nemo_rl.models.generation.generation_router import GenerationRouterImpl

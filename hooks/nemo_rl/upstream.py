@@ -22,7 +22,13 @@ def nemo_rl_source(repo_root: Optional[Path] = None) -> Path:
 
 
 def ensure_importable(repo_root: Optional[Path] = None) -> Path:
-    """Puts NeMo-RL's source on sys.path unless `nemo_rl` already imports; raises ImportError naming the folder."""
+    """Makes `nemo_rl` importable: its source on sys.path unless it already imports, and below Python 3.12
+    typing.TypedDict aliased to typing_extensions' (the same class from 3.12 on), because pydantic refuses
+    typing.TypedDict there and NeMo-RL's configs are TypedDicts inside pydantic models. Raises ImportError
+    naming the folder."""
+    # The alias comes first, always: a TypedDict class is built when its module is first imported, so one
+    # import of any nemo_rl config module before the alias breaks every later pydantic model using it.
+    _alias_typed_dict()
     try:
         import nemo_rl  # noqa: F401
 
@@ -36,10 +42,7 @@ def ensure_importable(repo_root: Optional[Path] = None) -> Path:
     return src
 
 
-def ensure_importable_configs() -> None:
-    """ensure_importable, and NeMo-RL's pydantic configs importable below Python 3.12: pydantic refuses
-    typing.TypedDict there, so it is aliased to typing_extensions' (the same class from 3.12 on)."""
-    ensure_importable()
+def _alias_typed_dict() -> None:
     if sys.version_info < (3, 12):
         import typing
 
@@ -49,9 +52,8 @@ def ensure_importable_configs() -> None:
 
 
 def import_grpo() -> ModuleType:
-    """nemo_rl.algorithms.grpo. NeMo-RL targets Python >= 3.13; below 3.12 pydantic refuses typing.TypedDict in
-    its configs, so typing.TypedDict is aliased to typing_extensions' (the same class from 3.12 on)."""
-    ensure_importable_configs()
+    """nemo_rl.algorithms.grpo (NeMo-RL targets Python >= 3.13; see ensure_importable for below 3.12)."""
+    ensure_importable()
     import nemo_rl.algorithms.grpo as grpo  # noqa: PLC0415
 
     return grpo
