@@ -186,6 +186,45 @@ async def test_paused_engines_with_released_memory_are_never_killed(tmp_path, ti
         await _assert_routable(fm, "engine-0")
 
 
+async def _on_engine(url: str) -> list[str]:
+    async with httpx.AsyncClient() as c:
+        return (await get_json(c, url, "/get_server_info", 5))["running_rids"]
+
+
+async def test_a_release_waits_out_a_health_probe_on_the_engine_and_aborts_what_is_left_never_stranding_it(
+        tmp_path, tiny_model):
+    """SGLang asserts its scheduler is idle on a memory release (the server dies otherwise). CI found a NeMo-RL
+    refit stuck: a /health_generate probe in flight at the pause stayed on the released engine, and every
+    /flush_cache of the refit was refused for 60 s. Each engine step here takes 0.4 s, so a probe and a
+    client's request are still on the engine when the trainer's pause comes."""
+    async with running_fleet(tmp_path, tiny_model, "belayer.engines.cpu_step_delay_ms=400",
+                             "belayer.monitor.probe_timeout_s=3", "belayer.monitor.probe_interval_s=0.1",
+                             "belayer.monitor.progress.enabled=false") as fm:
+        url0, url1 = fm.slots["engine-0"].info.url, fm.slots["engine-1"].info.url
+        async with httpx.AsyncClient() as c:
+            straggler = asyncio.create_task(generate(c, url1, {"input_ids": PROMPT, "sampling_params": {
+                "max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}}, 120))
+            deadline = time.monotonic() + 30  # the engines' own lists of what runs on them, read until both hold one
+            while not (any(r.startswith("health-") for r in await _on_engine(url0)) and await _on_engine(url1)):
+                assert time.monotonic() < deadline, "no probe reached engine-0 within 30 s"
+                await asyncio.sleep(0.05)  # the polling period of that read, not synchronisation
+            t0 = time.time()
+            await fm.pause(release_memory=True)
+            out = await asyncio.wait_for(straggler, 30)
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"  # cut at its committed tokens
+        assert [e.subject for e in fm.events.find(lambda e: e.t >= t0 and e.kind == "aborted_before_release")] \
+            == ["engine-1"]  # engine-0's probe was waited for, not aborted
+        async with httpx.AsyncClient() as c:
+            for s in fm.slots.values():
+                info = await get_json(c, s.info.url, "/get_server_info", 5)
+                assert info["memory_released"] is True and info["running_rids"] == [], (s.slot_id, info)
+                assert info["belayer_counters"]["release_not_idle"] == 0, (s.slot_id, info["belayer_counters"])
+                assert (await c.get(f"{s.info.url}/flush_cache", timeout=5)).status_code == 200
+        assert not fm.events.find(lambda e: e.t >= t0 and e.kind in ("release_failed", "detected"))
+        await fm.resume()
+        await _assert_routable(fm, "engine-0")
+
+
 async def test_sigkill_mid_refit_restarts_onto_the_new_version(tmp_path, tiny_model):
     from transformers import AutoModelForCausalLM
     import torch

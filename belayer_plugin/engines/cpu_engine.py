@@ -172,7 +172,8 @@ class Engine:
         self.running: list[Request] = []
         self.by_rid: dict[str, Request] = {}
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "health_tokens": 0, "aborted": 0,
-                         "weight_updates": 0, "steps": 0, "resume_not_released": 0}
+                         "weight_updates": 0, "steps": 0, "resume_not_released": 0,
+                         "release_not_idle": 0}
         # The engine's own ledger of what it served, per request id (the newest SERVED_LEDGER): the prompt it
         # was given and the tokens it generated. A chaos check reads it as evidence Belayer did not write
         # (a resumed request's continuation arrived with its committed tokens in the prompt; chaos/check.py).

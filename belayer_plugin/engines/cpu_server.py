@@ -253,7 +253,11 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
         req = Request(rid=f"health-{uuid.uuid4().hex}", prompt_ids=[eng.eos_id or 0],
                       sampling=Sampling(max_new_tokens=1, temperature=0.0), return_logprob=False)
         eng.submit(req)
-        await req.done.wait()
+        try:
+            await req.done.wait()
+        finally:
+            if req.finish_reason is None:  # the prober went away: its request must not stay on the engine
+                eng.abort(req.rid)
         return web.Response(text="ok")
 
     async def model_info(_: web.Request) -> web.Response:
@@ -360,6 +364,12 @@ def build_app(eng: Engine, server_args: dict) -> web.Application:
             tags = await _tags(request)
         except BadRequest as e:
             return _bad(str(e))
+        if (eng.running or eng.pending) and not eng.paused:
+            # SGLang 0.5.x asserts its scheduler is idle here (a paused one may hold retracted requests) and the
+            # server dies: refused and counted, so tests catch a caller that would crash a real server.
+            eng.counters["release_not_idle"] += 1
+            return _bad(f"{len(eng.running) + len(eng.pending)} request(s) on the engine: release_memory_occupation "
+                        "should be called only when the server is idle (SGLang's scheduler asserts on this)", 409)
         eng.released_tags |= tags
         await eng.release_memory()
         return web.json_response({"success": True})

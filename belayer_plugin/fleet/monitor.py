@@ -84,6 +84,7 @@ class HealthMonitor:
         self.probes_sent = 0  # /health_generate: only ever while serving
         self.light_probes_sent = 0  # /get_model_info: while paused, released or refitting
         self.probes_skipped = 0  # /health_generate not sent: the engine streamed tokens within the interval
+        self._generating: set[asyncio.Future] = set()  # one per /health_generate probe in flight
 
     @property
     def serving(self) -> bool:
@@ -147,6 +148,16 @@ class HealthMonitor:
         self._epoch += 1
         self._serving.clear()
         self.progress.suspend()
+
+    async def generate_probes_settled(self, timeout: float) -> bool:
+        """Waits until every /health_generate probe in flight has its answer or its own timeout; False if
+        `timeout` passed first. A probe is a real request on the engine's scheduler, and SGLang asserts (and
+        its scheduler dies) when memory is released with one still there."""
+        pending = list(self._generating)
+        if not pending:
+            return True
+        _, left = await asyncio.wait(pending, timeout=timeout)
+        return not left
 
     def resume(self) -> None:
         """Resumes readiness probes. Does NOT re-arm any boot grace deadline."""
@@ -326,8 +337,11 @@ class HealthMonitor:
         timeout = self.cfg.probe_timeout_s if timeout is None else timeout
         if self._stopped:
             return False, "monitor stopped"
+        settled = None
         if path == "/health_generate":
             self.probes_sent += 1
+            settled = asyncio.get_running_loop().create_future()
+            self._generating.add(settled)
         else:
             self.light_probes_sent += 1
         if self._session is None:
@@ -341,6 +355,10 @@ class HealthMonitor:
             return False, f"{path} timed out after {timeout:g} s"
         except aiohttp.ClientError as e:
             return False, f"{path} {type(e).__name__}"
+        finally:
+            if settled is not None:
+                self._generating.discard(settled)
+                settled.set_result(None)
 
     async def stop(self) -> None:
         """Cancels every watch and waits for the tasks to end; safe with probes in flight."""

@@ -15,7 +15,8 @@ from belayer_plugin.fleet.slot import Phase, Slot
 class Phases:
     """FleetManager's phases and memory (a mixin: state set up by `_init_phases`).
 
-    Uses from the fleet: ft, events, slots, monitor, shadows, weights."""
+    Uses from the fleet: cfg, ft, events, slots, monitor, shadows, weights, flush_cache (fleet/refit.py),
+    _abort_all (fleet/planned.py)."""
 
     def _init_phases(self) -> None:
         self.phase = Phase.SERVING
@@ -28,7 +29,8 @@ class Phases:
         self.phase = Phase.RELEASED if release_memory else Phase.PAUSED
         self.memory_released = release_memory
         if release_memory:  # every engine, STALE ones too (a replacement awaiting the trainer's weights)
-            await asyncio.gather(*(self._release(s, ["kv_cache", "weights"]) for s in self.slots.values()
+            await self.monitor.generate_probes_settled(self.cfg.monitor.probe_timeout_s + 1.0)
+            await asyncio.gather(*(self._idle_then_release(s) for s in self.slots.values()
                                    if s.actor is not None and s.health.running),
                                  return_exceptions=True)
         self.events.emit("fleet", "fleet", "phase", self.phase.value)
@@ -38,13 +40,28 @@ class Phases:
         with self.monitor.control_call(s.slot_id):
             return await s.actor.call.remote("POST", path, {"tags": tags})
 
+    async def _idle_then_release(self, s: Slot) -> None:
+        """Releases the engine's memory once nothing runs on it. SGLang asserts its scheduler is idle on a
+        release and dies otherwise; the CPU engine refuses and counts it (`release_not_idle`). What is left
+        after the generation phase (a straggler, a probe whose answer the monitor gave up on) gets
+        monitor.probe_timeout_s to finish, then is aborted."""
+        if "kv_cache" not in s.released and not await self.flush_cache(s, self.cfg.monitor.probe_timeout_s):
+            self.events.emit("fleet", s.slot_id, "aborted_before_release",
+                             "requests still on the engine when its memory was to be released", level="warning")
+            await self._abort_all(s)
+        await self._release(s, ["kv_cache", "weights"])
+
     async def _release(self, s: Slot, tags: list[str]) -> None:
         """Releases those of `tags` this engine still holds (a replacement released by _match_phase is not
         released twice by the pause that follows)."""
         want = [t for t in tags if t not in s.released]
         if not want:
             return
-        await self._memory_call(s, "/release_memory_occupation", want)
+        r = await self._memory_call(s, "/release_memory_occupation", want)
+        if r.get("status") != 200:  # still holds it: a later resume must not ask for it (SGLang dies on that)
+            self.events.emit("fleet", s.slot_id, "release_failed", f"tags {want}: HTTP {r.get('status')}: "
+                             f"{str(r.get('body'))[:200]}", level="warning", tags=want)
+            return
         s.released.update(want)
 
     async def _resume_tags(self, s: Slot, tags: list[str]) -> None:
