@@ -67,6 +67,10 @@ def _check_recipe(recipe: str, overrides: list[str]):
             problems += e.problems
         if cfg is not None:
             problems += chaos_problems(cfg, lc)
+            if lc is not None:
+                from belayer_plugin.sandbox.remote import placement_problems
+
+                problems += placement_problems(cfg, lc)
     if problems:
         raise ConfigError(problems)
     return cfg

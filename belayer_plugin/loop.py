@@ -175,7 +175,9 @@ class ReferenceLoop:
         self.cfg = cfg
         self.on_step = on_step
         self.loop = _loop_config(recipe)
-        bad = chaos_problems(cfg, self.loop)
+        from belayer_plugin.sandbox.remote import placement_problems
+
+        bad = chaos_problems(cfg, self.loop) + placement_problems(cfg, self.loop)
         if bad:  # before anything starts: a fault that cannot land would be found out only after the run
             raise ConfigError(bad)
         self.run_dir = make_run_dir(cfg)
@@ -197,6 +199,7 @@ class ReferenceLoop:
         self.sandbox_evidence: dict = {}  # the checkpoint mode asked for and the runtime's CRIU probe
         self.chaos: Any = None
         self.gen: Any = None  # the generation client (closed at clean-up)
+        self.sandbox_hosts: Any = None  # sandbox.placement=spread: a sandbox host on every node (sandbox/remote.py)
         self.steps: list[dict] = []
         self.trajectories: list[dict] = []
         self.lost: list[dict] = []
@@ -289,11 +292,18 @@ class ReferenceLoop:
             self.fleet.actor_options = _spread_first_engines(cfg.engines.num_engines, nodes)
         t0 = time.monotonic()
         backend = self._backend()
+        if cfg.sandbox.placement == "spread":
+            from belayer_plugin.sandbox.remote import SandboxHosts
+            from belayer_plugin.sandbox.shared_store import alive_nodes
+
+            self.sandbox_hosts = SandboxHosts(cfg.sandbox, store_root, self.events.callback("sandbox"))
+            image_ready = asyncio.to_thread(lambda: set(self.sandbox_hosts.start(alive_nodes()).values()).pop())
+        else:
+            image_ready = asyncio.to_thread(ensure_image, backend, cfg.sandbox.env, cfg.sandbox.env_cache_dir or None)
         # The tokenizer (transformers and torch imports), the learner (torch in its worker) and the sandbox
         # image need only the model's path: they get ready while the engines start, not after (~7 s saved).
         starts = [asyncio.ensure_future(c) for c in (
-            asyncio.to_thread(ensure_image, backend, cfg.sandbox.env, cfg.sandbox.env_cache_dir or None),
-            self.fleet.start(), asyncio.to_thread(_load_tokenizer, self.fleet.model_path), self._new_learner())]
+            image_ready, self.fleet.start(), asyncio.to_thread(_load_tokenizer, self.fleet.model_path), self._new_learner())]
         try:
             image, _, tok, _ = await asyncio.gather(*starts)
         finally:  # a failed start: the others are cancelled and awaited, nothing left unretrieved
@@ -340,6 +350,8 @@ class ReferenceLoop:
                            pids_limit=cfg.sandbox.pids_limit, network=cfg.sandbox.network)
 
         def factory(tid: str, on_event: Any) -> Any:
+            if self.sandbox_hosts is not None:  # a recorder on the least loaded node's sandbox host
+                return self.sandbox_hosts.recorder(tid, spec, on_event)
             return Sandbox.create(backend, spec, sandbox_id=tid, exec_timeout_s=cfg.sandbox.exec_timeout_s,
                                   on_event=on_event)
 
@@ -562,5 +574,7 @@ class ReferenceLoop:
             except Exception:
                 pass
             ray.kill(self.learner, no_restart=True)
+        if self.sandbox_hosts is not None:
+            await asyncio.to_thread(self.sandbox_hosts.shutdown)
         if self.fleet is not None:
             await self.fleet.shutdown()

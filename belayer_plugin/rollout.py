@@ -116,8 +116,9 @@ async def run_trajectory(*, traj_id: str, traj_index: int, step: int, prompt_ids
     on_event = events.callback("sandbox")
     t_start = time.monotonic()
     if start is None:
-        sandbox = await asyncio.to_thread(sandbox_factory, traj_id, on_event)
-        recorder = _new_recorder(traj_id, sandbox, store, sb_cfg, on_event)
+        made = await asyncio.to_thread(sandbox_factory, traj_id, on_event)
+        # a Sandbox here, or a recorder already (sandbox/remote.py: the sandbox runs on another node)
+        recorder = made if hasattr(made, "commit") else _new_recorder(traj_id, made, store, sb_cfg, on_event)
     else:
         recorder = start.recorder
     res = TrajectoryResult(traj_id, list(prompt_ids), [], [], [], "", 0.0, setup_s=time.monotonic() - t_start)

@@ -148,9 +148,10 @@ def test_belayer_run_on_a_cluster_whose_checkpoint_store_is_not_shared_stops_bef
 
 
 @pytest.mark.timeout(400)
-def test_belayer_run_joins_an_existing_cluster_spreads_its_engines_over_the_nodes_and_finishes(cluster, tmp_path):
+def test_belayer_run_joins_an_existing_cluster_spreads_its_engines_and_sandboxes_over_the_nodes_and_finishes(
+        cluster, tmp_path):
     # With the demo's own chaos: an engine's server SIGKILLed at a request's 6th token, wherever it runs
-    rc, report, out = belayer_run(cluster, tmp_path / "run", 360)
+    rc, report, out = belayer_run(cluster, tmp_path / "run", 360, "belayer.sandbox.placement=spread")
     assert rc == 0 and report["status"] == "ok", out
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     injects = [e["figures"] for e in events if e["kind"] == "inject"]
@@ -180,6 +181,10 @@ def test_belayer_run_joins_an_existing_cluster_spreads_its_engines_over_the_node
     assert {host_of(e["url"]) for e in ev.values()} <= ips, ev
     assert all(e["counters"]["generated_tokens"] > 0 for e in ev.values()), ev
     assert len(report["steps"]) == 2 and all(s["trajectories"] > 0 for s in report["steps"])
+    # each trajectory's sandbox on the node of its host actor (the address Ray gives that actor): several nodes
+    placed = {e["subject"]: e["figures"]["node"] for e in events if e["kind"] == "placed"}
+    assert len(placed) == sum(s["trajectories"] for s in report["steps"]) and set(placed.values()) <= ips, placed
+    assert len(set(placed.values())) >= 2, placed
 
 
 @pytest.mark.timeout(300)

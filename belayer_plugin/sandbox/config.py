@@ -63,6 +63,8 @@ class SandboxConfig:
     checkpoint_mode: str = _one_of("full", "fs_only", "auto")  # auto: full if CRIU >= 4.2 works, else fs_only
     # "" -> <run_dir>/sandbox-checkpoints. On a cluster of several nodes: a path on a file system every node
     # mounts (NFS, CephFS, ...), so that another node restores a lost node's sandboxes; checked at start-up.
+    placement: str = _one_of("driver", "spread")  # spread: a sandbox host on every node (sandbox/remote.py)
+    host_timeout_s: float = _req()  # spread: a host silent this long past a call's own bound is lost
     checkpoint_dir: str = _req()
     shared_store_check_timeout_s: float = _req()  # each node's answer to that start-up check (sandbox/shared_store.py)
     checkpoint_timeout_s: float = _req()
@@ -88,7 +90,8 @@ class SandboxConfig:
             out.append(f"memory_mb: must be >= 16, got {self.memory_mb}")
         if self.pids_limit < 8:
             out.append(f"pids_limit: must be >= 8, got {self.pids_limit}")
-        for name in ("exec_timeout_s", "checkpoint_timeout_s", "restore_timeout_s", "shared_store_check_timeout_s"):
+        for name in ("exec_timeout_s", "checkpoint_timeout_s", "restore_timeout_s", "shared_store_check_timeout_s",
+                     "host_timeout_s"):
             if getattr(self, name) <= 0:
                 out.append(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.restore_retries < 1:
