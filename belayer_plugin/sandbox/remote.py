@@ -63,7 +63,8 @@ class CheckpointTaken:
 
 class SandboxHostActor:
     """On one node: the sandbox backend, the environment's image, and the recorders of the trajectories there.
-    Every method returns (result, events emitted meanwhile)."""
+    Every trajectory method returns (result, events emitted meanwhile, the trajectory's container id now: a
+    CRIU checkpoint may leave the sandbox running in a new container)."""
 
     def __init__(self, sb_cfg: Any, store_root: str):
         import ray
@@ -86,9 +87,10 @@ class SandboxHostActor:
                 self._events.setdefault(tid, []).append({**rec, "node": self.node})
         return on_event
 
-    def _out(self, tid: str, result: Any) -> tuple[Any, list[dict]]:
+    def _out(self, tid: str, result: Any) -> tuple[Any, list[dict], str]:
+        rec = self.recs.get(tid)
         with self._lock:
-            return result, self._events.pop(tid, [])
+            return result, self._events.pop(tid, []), rec.sandbox.container_id if rec is not None else ""
 
     def _opts(self) -> dict:
         c = self.cfg
@@ -103,7 +105,7 @@ class SandboxHostActor:
         self.image = ensure_image(self.backend, self.cfg.env, self.cfg.env_cache_dir or None)
         return {"node": self.node, "image": self.image}
 
-    def open(self, tid: str, spec: Any) -> tuple[Any, list[dict]]:
+    def open(self, tid: str, spec: Any) -> tuple:
         from belayer_plugin.sandbox.base import Sandbox
         from belayer_plugin.sandbox.trajectory import TrajectoryRecorder
 
@@ -111,25 +113,25 @@ class SandboxHostActor:
         self.recs[tid] = TrajectoryRecorder(tid, sb, self.store, on_event=self._sink(tid), **self._opts())
         return self._out(tid, sb.container_id)
 
-    def call(self, tid: str, method: str, *args: Any) -> tuple[Any, list[dict]]:
+    def call(self, tid: str, method: str, *args: Any) -> tuple:
         """A recorder method (start, begin_action, commit) by name."""
         if method not in ("start", "begin_action", "commit"):
             raise ValueError(f"not a recorder call: {method}")
         out = getattr(self.recs[tid], method)(*args)
         return self._out(tid, out if method == "commit" else None)
 
-    def exec(self, tid: str, command: Any, timeout: float) -> tuple[Any, list[dict]]:
+    def exec(self, tid: str, command: Any, timeout: float) -> tuple:
         return self._out(tid, self.recs[tid].sandbox.exec(command, timeout))
 
-    def checkpoint(self, tid: str, boundary: int) -> tuple[Optional[CheckpointTaken], list[dict]]:
+    def checkpoint(self, tid: str, boundary: int) -> tuple:
         ck = self.recs[tid].checkpoint(boundary)
         return self._out(tid, None if ck is None else CheckpointTaken(ck.id, ck.boundary))
 
-    def recover(self, tid: str, reason: str) -> tuple[RemoteRollback, list[dict]]:
+    def recover(self, tid: str, reason: str) -> tuple:
         rb = self.recs[tid].recover(reason)
         return self._out(tid, self._rollback(rb))
 
-    def resume(self, tid: str, reason: str, first: tuple[list[int], list]) -> tuple[RemoteRollback, list[dict]]:
+    def resume(self, tid: str, reason: str, first: tuple[list[int], list]) -> tuple:
         """The trajectory continued here from the store (its node was lost); with no checkpoint stored, a fresh
         sandbox at boundary 0 with `first` (the prompt's tokens and messages)."""
         from belayer_plugin.sandbox.base import Sandbox, SandboxSpec
@@ -162,7 +164,7 @@ class SandboxHostActor:
     def kill(self, cid: str) -> None:
         self.backend.kill(cid)
 
-    def close(self, tid: str) -> tuple[None, list[dict]]:
+    def close(self, tid: str) -> tuple:
         rec = self.recs.pop(tid, None)
         if rec is not None:
             rec.close()
@@ -313,7 +315,8 @@ class RemoteRecorder:
         self.latest = 0
         self.host = hosts.pick()
         self.sandbox = _RemoteSandbox(self)
-        self.container_id = self._call("open", spec, timeout=self.cfg.exec_timeout_s)
+        self.container_id = ""
+        self._call("open", spec, timeout=self.cfg.exec_timeout_s)
         self.on_event({"subject": tid, "kind": "placed", "reason": f"sandbox on node {self.host.node}",
                        "node": self.host.node, "container": self.container_id[:12]})
 
@@ -326,11 +329,13 @@ class RemoteRecorder:
         if h.lost:
             raise HostLost(f"node {h.node} is lost")
         try:
-            out, events = ray.get(getattr(h.actor, method).remote(self.trajectory_id, *args),
-                                  timeout=timeout + self.cfg.host_timeout_s)
+            out, events, cid = ray.get(getattr(h.actor, method).remote(self.trajectory_id, *args),
+                                       timeout=timeout + self.cfg.host_timeout_s)
         except (ActorDiedError, ActorUnavailableError, RayActorError, GetTimeoutError) as e:
             self.hosts.mark_lost(h)
             raise HostLost(f"node {h.node} did not answer {method}: {type(e).__name__}") from None
+        if cid:
+            self.container_id = cid
         for rec in events:
             self.on_event(rec)
         return out
