@@ -293,7 +293,8 @@ async def test_below_the_floor_the_run_fails_fast_with_a_typed_readable_error(tm
                              "belayer.restart.min_healthy_engines=2") as fm:
         t0 = time.time()
         os.kill(fm.slots["engine-1"].info.pid, signal.SIGKILL)
-        await fm.events.wait_for(ev("below_floor"), 10, since=t0)
+        # a bound, not a figure: seen past 10 s with the other CI half and more beside it on 2 cores
+        await fm.events.wait_for(ev("below_floor"), 60, since=t0)
         with pytest.raises(FleetBelowFloorError) as ei:
             await fm.wait_all_healthy(5)
         msg = str(ei.value)
