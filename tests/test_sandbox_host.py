@@ -12,6 +12,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,13 @@ import pytest
 if __name__ == "__main__":  # run as "node A": the repository's root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from belayer_plugin.sandbox.base import CheckpointIncompatible, Sandbox, SandboxDead, SandboxSpec  # noqa: E402
+from belayer_plugin.sandbox.base import (  # noqa: E402
+    CheckpointFenced,
+    CheckpointIncompatible,
+    Sandbox,
+    SandboxDead,
+    SandboxSpec,
+)
 from belayer_plugin.sandbox.checkpoint import MANIFEST, CheckpointStore, _body_digest, full_restore  # noqa: E402
 from belayer_plugin.sandbox.scripted import (  # noqa: E402
     action,
@@ -123,6 +130,42 @@ def test_a_checkpoint_from_a_host_with_another_criu_is_refused_and_the_resume_fa
         assert refused and refused[0]["checkpoint"] == ck2.id and "criu: 4.1.0" in refused[0]["reason"]
         assert not any(x["kind"] == "restore" and x["checkpoint"] == ck2.id for x in events)
         assert [x["kind"] for x in events].count("restore") == 1
+    finally:
+        rec.close()
+
+
+def test_a_cut_off_owner_that_lives_on_cannot_publish_past_the_take_over_and_its_late_checkpoint_is_never_used(
+        recorder, backend):
+    """A node cut off (not lost) still runs the old sandbox: after another node took the trajectory over from the
+    store at boundary 2, the old owner's next checkpoint is refused, and one that slipped in between the check and
+    its rename (written here as it would have landed) is never listed nor restored."""
+    recorder.start(tokens(0), messages(0))
+    for i in (1, 2):
+        run(recorder, i)
+        recorder.checkpoint()
+    store = CheckpointStore(recorder.store.root, keep=3)  # the store as the taking-over node reads it
+    rec, rb = TrajectoryRecorder.resume("traj", backend, store, exec_timeout_s=20.0, setup=setup_stated,
+                                        checkpoint_mode="full")
+    try:
+        assert (rb.boundary, rec.gen, store.lease("traj")) == (2, 1, (1, 2))
+        run(recorder, 3)  # the old owner, alive on its side of the partition, goes on
+        with pytest.raises(CheckpointFenced, match="taken over by generation 1 at boundary 2"):
+            recorder.checkpoint()
+        assert [c.boundary for c in store.list("traj")] == [0, 1, 2]  # nothing of its was published
+        # one that raced the check: a boundary-3 checkpoint of generation 0 in place, manifest and checksum valid
+        src = store.list("traj")[-1].path
+        raw = json.loads((src / MANIFEST).read_text())
+        raw["body"].update(boundary=3, gen=0)
+        raw["body_sha256"] = _body_digest(raw["body"])
+        late = src.parent / "b000003-1"
+        shutil.copytree(src, late)
+        (late / MANIFEST).write_text(json.dumps(raw, indent=1, sort_keys=True))
+        assert [c.boundary for c in store.list("traj")] == [0, 1, 2]  # ignored by every reader
+        # the new owner's own checkpoints are taken and listed past the take-over
+        run(rec, 3)
+        ck3 = rec.checkpoint()
+        assert ck3.body["gen"] == 1 and [c.boundary for c in store.list("traj")] == [1, 2, 3]  # keep=3
+        assert store.list("traj")[-1].id == ck3.id and query_state(rec.sandbox) == golden_state(3)
     finally:
         rec.close()
 

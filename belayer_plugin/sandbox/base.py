@@ -65,6 +65,11 @@ class CheckpointIncompatible(CheckpointError):
         self.mismatches = list(mismatches)  # one line per difference, naming the recorded and the local value
 
 
+class CheckpointFenced(CheckpointError):
+    """The trajectory was taken over (resumed elsewhere, a newer generation in the store's lease): a checkpoint
+    of the older generation past the take-over boundary is refused, and never restored."""
+
+
 class RestoreError(SandboxError):
     """A restore failed; whatever it had started was killed and removed."""
 

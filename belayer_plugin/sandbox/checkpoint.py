@@ -9,6 +9,12 @@ size and sha256 of every artifact, and a checksum of the manifest itself). It is
 either a whole checkpoint or none; anything that fails verification is never restored, nor is a checkpoint
 from a host this one does not match (CheckpointIncompatible).
 
+Each trajectory has a lease in the store (`.lease`: a generation and the boundary it took over at). A
+trajectory resumed elsewhere (`take_over`: its node was lost or cut off) gets the next generation, and its
+checkpoints carry it. One of an older generation past the take-over boundary, published late by a cut-off
+node that still runs the old sandbox, is refused at publish (CheckpointFenced) and ignored by `list` when it
+slipped in between that check and its rename: it is a future the trajectory abandoned.
+
 Owns: the checkpoint format, its manifest and checksum, publishing and verified restore. Must not: decide when
 to checkpoint (sandbox/policy.py).
 """
@@ -31,6 +37,7 @@ from belayer_plugin.sandbox.base import (
     Backend,
     CheckpointCorrupt,
     CheckpointError,
+    CheckpointFenced,
     CheckpointIncompatible,
     CheckpointTimeout,
     CriuUnavailable,
@@ -51,6 +58,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"
 FS_FILE = "rootfs-diff.tar"
 CONTEXT_FILE = "context.json"
+LEASE = ".lease"  # the trajectory's generation (take_over); a dot name: never listed as a checkpoint
 FORMAT = 1
 MODES = ("full", "fs_only", "auto")
 _WARNED: set[str] = set()
@@ -158,8 +166,46 @@ class CheckpointStore:
                     n += 1
         return n
 
+    def lease(self, trajectory_id: str) -> tuple[int, int]:
+        """(generation, boundary it took over at) of the trajectory's lease; (0, -1) before any take-over."""
+        try:
+            d = json.loads((self._tdir(trajectory_id) / LEASE).read_text())
+            return int(d["gen"]), int(d["from_boundary"])
+        except FileNotFoundError:
+            return 0, -1
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            # an unreadable lease must not let a fenced owner back in: nothing past boundary 0 is trusted
+            log.warning("unreadable lease of %s (%s): fencing every generation", trajectory_id, e)
+            return 1 << 30, 0
+
+    def take_over(self, trajectory_id: str, boundary: int) -> int:
+        """The trajectory continues from `boundary` under a new generation (returned); checkpoints of older ones
+        past `boundary` are refused and ignored from now on. Written atomically (rename)."""
+        gen = self.lease(trajectory_id)[0] + 1
+        d = self._tdir(trajectory_id)
+        tmp = d / f".lease-{uuid.uuid4().hex}"
+        with open(tmp, "w") as f:
+            json.dump({"gen": gen, "from_boundary": int(boundary), "t": time.time()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, d / LEASE)
+        _fsync_dir(d)
+        return gen
+
+    def _fenced(self, trajectory_id: str, body: dict) -> Optional[str]:
+        gen, since = self.lease(trajectory_id)
+        mine = int(body.get("gen", 0))
+        if mine < gen and int(body["boundary"]) > since:
+            return (f"trajectory {trajectory_id} was taken over by generation {gen} at boundary {since}; this "
+                    f"checkpoint (generation {mine}, boundary {body['boundary']}) is of the abandoned branch")
+        return None
+
     def publish(self, staging: Path, body: dict) -> Checkpoint:
-        """Checksums the artifacts, writes the manifest and renames the complete directory into place."""
+        """Checksums the artifacts, writes the manifest and renames the complete directory into place;
+        CheckpointFenced when the trajectory was taken over by a newer generation before this boundary."""
+        why = self._fenced(str(body["trajectory_id"]), body)
+        if why:
+            raise CheckpointFenced(why)
         files = []
         for rel in body.pop("artifact_names"):
             p = staging / rel
@@ -196,9 +242,15 @@ class CheckpointStore:
             if p.name.startswith(".") or not p.is_dir():
                 continue
             try:
-                out.append(self._load(p))
+                ck = self._load(p)
             except CheckpointCorrupt as e:
                 log.warning("ignoring checkpoint: %s", e)
+                continue
+            why = self._fenced(trajectory_id, ck.body)
+            if why:  # published by a fenced owner between publish's check and its rename
+                log.warning("ignoring checkpoint %s: %s", ck.id, why)
+                continue
+            out.append(ck)
         return sorted(out, key=lambda c: (c.boundary, c.id))
 
     def verify(self, ck: Checkpoint) -> None:
@@ -280,7 +332,8 @@ def _emit(on_event: Optional[EventSink], subject: str, kind: str, reason: str, *
 
 def full_checkpoint(sandbox: Sandbox, boundary: int, store: CheckpointStore, trajectory_id: str,
                     mode: str = "auto", timeout_s: float = 60.0,
-                    on_event: Optional[EventSink] = None, context: Optional[list[dict]] = None) -> Checkpoint:
+                    on_event: Optional[EventSink] = None, context: Optional[list[dict]] = None,
+                    gen: int = 0) -> Checkpoint:
     """Captures the writable layer and (unless fs-only) the process state at a committed action boundary,
     with the LLM context of boundaries 0..boundary when `context` is given and this host's signature.
 
@@ -326,7 +379,7 @@ def full_checkpoint(sandbox: Sandbox, boundary: int, store: CheckpointStore, tra
             ck = store.publish(staging, {
                 "boundary": int(boundary), "trajectory_id": trajectory_id, "mode": real_mode,
                 "backend": be.name, "spec": dataclasses.asdict(sandbox.spec), "created_t": time.time(), "host": host,
-                "duration_s": elapsed, "artifact_names": names})
+                "duration_s": elapsed, "artifact_names": names, "gen": int(gen)})
         except BaseException as e:
             shutil.rmtree(staging, ignore_errors=True)
             alive = False

@@ -14,8 +14,10 @@ none, a fresh sandbox at boundary 0 with the prompt the proxy kept).
 
 Owns: SandboxHosts (one host actor per node, placement of new trajectories), RemoteRecorder (the proxy and its
 move to another node). Must not: take, publish or restore checkpoints itself (the recorder on the host does).
-Not covered: a node cut off, not lost, keeps its containers running until the run ends (its host is killed when
-the link returns; the containers are not); the fork of a shared group prefix (refused at start-up).
+A node cut off (not lost) may still run the old sandbox: the resume takes a new generation of the trajectory's
+lease in the store first (sandbox/checkpoint.py), so nothing that node checkpoints later is published or used.
+Not covered: its containers run until the run ends (its host is killed when the link returns; the containers
+are not); the fork of a shared group prefix (refused at start-up).
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ class SandboxHostActor:
                            pids_limit=self.cfg.pids_limit, network=self.cfg.network)
         sb = Sandbox.create(self.backend, spec, tid, self.cfg.exec_timeout_s, self._sink(tid))
         rec = self.recs[tid] = TrajectoryRecorder(tid, sb, self.store, on_event=self._sink(tid), **self._opts())
+        rec.gen = self.store.take_over(tid, 0)  # the lost node's sandbox, if it lives on, publishes nothing more
         rec.start(list(first[0]), list(first[1]), checkpoint=False)
         self._sink(tid)({"t": time.time(), "subject": tid, "kind": "rollback", "reason": reason,
                          "restored_boundary": 0, "boundary": 0, "checkpoint": None, "from_base_image": True,

@@ -115,6 +115,7 @@ class TrajectoryRecorder:
         self.in_flight: Any = None
         self._has_in_flight = False
         self.epoch = 0  # bumped by each recovery: a checkpoint started before it is stale
+        self.gen = 0  # the store's lease generation this recorder checkpoints under (resume takes a new one)
         self._lock = threading.RLock()
         self._ck_lock = threading.Lock()  # one checkpoint at a time; recovery waits for it
         self.checkpoints: dict[str, Checkpoint] = {}
@@ -205,7 +206,8 @@ class TrajectoryRecorder:
                 with self._lock:
                     context = [_record_json(r) for r in self.boundaries[: b + 1]]
                 ck = full_checkpoint(sandbox, b, self.store, self.trajectory_id, self.checkpoint_mode,
-                                     self.checkpoint_timeout_s, on_event=self.on_event, context=context)
+                                     self.checkpoint_timeout_s, on_event=self.on_event, context=context,
+                                     gen=self.gen)
                 self._note_clean(ck, sandbox)
             with self._lock:
                 if epoch != self.epoch or b > self.latest:
@@ -445,6 +447,9 @@ class TrajectoryRecorder:
             rec.boundaries[-1].checkpoint_id = used.id
             rec.checkpoints = {used.id: used}
             rec._note_clean(used, sb)
+        # A new generation first: a node cut off (not lost) that still runs the old sandbox can no longer
+        # publish past `target`; then the abandoned future is dropped.
+        rec.gen = store.take_over(trajectory_id, target)
         dropped = store.drop_after(trajectory_id, target)  # the abandoned future is never restored
         rb = Rollback(target, list(rec.boundaries[-1].token_ids), copy.deepcopy(rec.boundaries[-1].messages), sb,
                       used.id if used is not None else None, failed, failed - target, None, 0,
@@ -453,7 +458,7 @@ class TrajectoryRecorder:
         rec._emit("rollback", reason, failed_boundary=failed, restored_boundary=target, boundary=target,
                   checkpoint=rb.checkpoint_id, discarded_actions=rb.discarded_actions, uncertain_action=False,
                   replayed_actions=0, dropped_checkpoints=dropped, duration_s=rb.restore_s,
-                  from_base_image=used is None, resumed_from_store=True)
+                  from_base_image=used is None, resumed_from_store=True, generation=rec.gen)
         return rec, rb
 
     # -- fork ---------------------------------------------------------------------------------------
