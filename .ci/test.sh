@@ -22,11 +22,13 @@ echo "[test.sh] logs and per-test times (a.times, b.times) in $out"
 # transformers): A 29.7 min, B 27.4 min.
 # 2026-12-07: A 26 min, B 45 min (with 7 min of SGLang fixtures timing out, fixed since), so the position sweep
 # (~3.7 min) and the verl real-replica script (~3.2 min) moved to A. Later that day: A 37 min, B 49 min (with the
-# new real-SGLang hold test, ~6 min under load, and the netns tests), so the hold test moved to A.
+# new real-SGLang hold test, ~6 min under load, and the netns tests), so the hold test moved to A. Evening, with
+# other runs beside it: A 38.5 min, B 59 min (by per-test sums B ~8 min more), and the new netns sandbox test goes
+# to B, so test_hooks_verl.py and its contract tests (~5 min) moved to A.
 A=(tests/test_functional.py tests/test_fork_groups.py tests/test_soak.py tests/test_fuzz_checkpoint.py
    $(ls tests/test_sandbox_*.py) tests/test_fleet_recovery.py tests/test_fleet_launch.py tests/test_fleet_progress.py
    tests/test_chaos_positions.py tests/test_verl_real_replicas.py tests/test_verl_v1_transferqueue.py
-   tests/test_sglang_hold.py)
+   tests/test_sglang_hold.py tests/test_hooks_verl.py tests/test_hooks_verl_contracts.py)
 B=()
 for f in tests/test_*.py; do
   case " ${A[*]} " in *" $f "*) ;; *) B+=("$f") ;; esac
