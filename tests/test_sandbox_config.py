@@ -14,7 +14,7 @@ def good() -> SandboxConfig:
                               async_checkpoint=True, cooldown_s=20.0, overhead_ema=0.3, skip_unchanged=True,
                               checkpoint_nice=10)
     return SandboxConfig(backend="podman", env="busybox", network="none", cpus=1.0, memory_mb=512, pids_limit=256,
-                         exec_timeout_s=60.0, checkpoint_mode="auto", checkpoint_dir="",
+                         exec_timeout_s=60.0, checkpoint_mode="auto", placement="driver", host_timeout_s=30.0, checkpoint_dir="",
                          shared_store_check_timeout_s=30.0, checkpoint_timeout_s=30.0,
                          restore_timeout_s=60.0, restore_retries=2, keep_checkpoints=2, replay_deterministic=False,
                          criu_path="", env_cache_dir="", docker_host="", podman_root="", podman_exec="runc", policy=pol)
