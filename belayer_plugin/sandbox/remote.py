@@ -81,7 +81,6 @@ class SandboxHostActor:
         self.recs: dict[str, Any] = {}
         self._events: dict[str, list[dict]] = {}
         self._lock = threading.Lock()
-        self.image = ""
 
     def _sink(self, tid: str) -> Callable[[dict], None]:
         def on_event(rec: dict) -> None:
@@ -104,8 +103,7 @@ class SandboxHostActor:
         """The environment's image here (built or imported once per node); this node's address."""
         from belayer_plugin.envs.build import ensure_image
 
-        self.image = ensure_image(self.backend, self.cfg.env, self.cfg.env_cache_dir or None)
-        return {"node": self.node, "image": self.image}
+        return {"node": self.node, "image": ensure_image(self.backend, self.cfg.env, self.cfg.env_cache_dir or None)}
 
     def open(self, tid: str, spec: Any) -> tuple:
         from belayer_plugin.sandbox.base import Sandbox
@@ -133,10 +131,10 @@ class SandboxHostActor:
         rb = self.recs[tid].recover(reason)
         return self._out(tid, self._rollback(rb))
 
-    def resume(self, tid: str, reason: str, first: tuple[list[int], list]) -> tuple:
+    def resume(self, tid: str, reason: str, first: tuple[list[int], list], spec: Any) -> tuple:
         """The trajectory continued here from the store (its node was lost); with no checkpoint stored, a fresh
-        sandbox at boundary 0 with `first` (the prompt's tokens and messages)."""
-        from belayer_plugin.sandbox.base import Sandbox, SandboxSpec
+        sandbox of `spec` at boundary 0 with `first` (the prompt's tokens and messages)."""
+        from belayer_plugin.sandbox.base import Sandbox
         from belayer_plugin.sandbox.trajectory import TrajectoryRecorder
 
         t0 = time.monotonic()
@@ -145,8 +143,6 @@ class SandboxHostActor:
                                                 on_event=self._sink(tid), reason=reason, **self._opts())
             self.recs[tid] = rec
             return self._out(tid, self._rollback(rb))
-        spec = SandboxSpec(image=self.image, cpus=self.cfg.cpus, memory_mb=self.cfg.memory_mb,
-                           pids_limit=self.cfg.pids_limit, network=self.cfg.network)
         sb = Sandbox.create(self.backend, spec, tid, self.cfg.exec_timeout_s, self._sink(tid))
         rec = self.recs[tid] = TrajectoryRecorder(tid, sb, self.store, on_event=self._sink(tid), **self._opts())
         rec.gen = self.store.take_over(tid, 0)  # the lost node's sandbox, if it lives on, publishes nothing more
@@ -371,7 +367,7 @@ class RemoteRecorder:
         old = self.host
         self.host = self.hosts.pick(exclude=old)
         self.hosts.release(old)
-        rb = self._call("resume", f"{reason}; node {old.node} lost", self.first, timeout=restore_bound)
+        rb = self._call("resume", f"{reason}; node {old.node} lost", self.first, self.spec, timeout=restore_bound)
         if rb.failed_boundary < 0:  # nothing was stored: every committed action is redone
             rb.failed_boundary, rb.discarded_actions = self.latest, self.latest
         self.latest, self.container_id = rb.boundary, rb.container
